@@ -1,0 +1,272 @@
+"""Profile one training step of a traced model on fake tensors: no activation memory is allocated.
+
+An fx.Interpreter runs the graph under FakeTensorMode with three instruments:
+- `_ProfileMode` (a LiveBytes dispatch mode) attributes each new storage to the node that made
+  it, records which nodes read which storages (through any view), and the peak during each node;
+- saved-tensor hooks record which storages autograd saves, and for which node;
+- FlopCounterMode counts FLOPs per node.
+The loss runs as a final node, then backward runs on the fake tensors with gradient hooks on every
+node's outputs, so the backward working memory of each node is measured, not guessed. Those
+measurements calibrate the simulator (NOTE [ liveness ] in simulate.py): `*_extra_bytes` are what
+the measured peak holds beyond what the liveness model explains for the unplanned step.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .costgraph import CostGraph, NodeCost, StorageCost
+from .storage import LiveBytes
+from .trace import placeholder_values
+
+LOSS = "loss"
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Nominal device speed for the recompute-time estimate (a roofline of FLOPs and bytes)."""
+    flops_per_s: float
+    bytes_per_s: float
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "DeviceRates":
+        if device.type == "cuda":
+            return cls(flops_per_s=2e14, bytes_per_s=3e12)
+        return cls(flops_per_s=1e11, bytes_per_s=1e10)
+
+
+class _ProfileMode(LiveBytes):
+    """LiveBytes that also maps storages to ids and records per-node reads and bytes moved."""
+
+    def __init__(self, baseline):
+        self.sid: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.bytes: list[int] = []
+        self.producer: list[int] = []
+        self.users: dict[int, set[int]] = defaultdict(set)
+        self.fixed_users: dict[int, set[int]] = defaultdict(set)   # id(fixed storage) -> nodes
+        self.moved: dict[int, int] = defaultdict(int)
+        self.node = -1          # current node index; -1 = not recording
+        self.fixed_ids: dict = {}
+        super().__init__(baseline)
+
+    def track_fixed(self, storages) -> None:
+        self.fixed_ids = weakref.WeakKeyDictionary({st: i for i, st in enumerate(storages)})
+
+    def add(self, t):
+        if not super().add(t) or self.node < 0:
+            return False
+        st = t.untyped_storage()
+        self.sid[st] = len(self.bytes)
+        self.bytes.append(st.nbytes())
+        self.producer.append(self.node)
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.node >= 0:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    self.moved[self.node] += t.numel() * t.element_size()
+                    if st in self.sid:
+                        self.users[self.sid[st]].add(self.node)
+                    elif st in self.fixed_ids:
+                        self.fixed_users[self.fixed_ids[st]].add(self.node)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Runner(fx.Interpreter):
+    """Runs the graph node by node, recording per-node forward measurements."""
+
+    def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode):
+        super().__init__(gm)
+        self.mode, self.flops = mode, flops
+        self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
+        self.holders: dict[int, set[int]] = defaultdict(set)
+        self.rec: dict[int, dict] = {}
+        self.loss_i = len(self.index)
+        self.hooks: list = []
+        self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
+        self.bwd_node = self.loss_i
+
+    def on_grad(self, i: int):
+        """Gradient hook: node i's backward starts when the gradient of its output is complete."""
+        def hook(_grad):
+            self.close_bwd_interval()
+            self.bwd_node = i
+        return hook
+
+    def close_bwd_interval(self) -> None:
+        peaks, mode = self.bwd_peaks, self.mode
+        peaks[self.bwd_node] = max(peaks.get(self.bwd_node, 0), mode.peak_bytes)
+        mode.reset_peak()
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        if st in self.mode.sid and self.mode.node >= 0:
+            self.holders[self.mode.sid[st]].add(self.mode.node)
+        return t
+
+    def run_node(self, n: fx.Node):
+        i = self.index.get(n)
+        if i is None:
+            return super().run_node(n)
+        return self.measure(i, lambda: super(_Runner, self).run_node(n))
+
+    def measure(self, i: int, fn):
+        mode = self.mode
+        mode.node, start = i, mode.live_bytes
+        mode.reset_peak()
+        f0 = self.flops.get_total_flops()
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            out = fn()
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        new = [t for t in outs if mode.sid.get(t.untyped_storage(), -1) >= 0
+               and mode.producer[mode.sid[t.untyped_storage()]] == i]
+        self.rec[i] = dict(
+            start=start,
+            extra=mode.peak_bytes - start,
+            flops=self.flops.get_total_flops() - f0,
+            grad_bytes=sum(t.numel() * t.element_size() for t in new if t.requires_grad),
+        )
+        self.hooks += [t.register_hook(self.on_grad(i)) for t in outs if t.requires_grad and i < self.loss_i]
+        mode.node = -1
+        return out
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that do work, in execution order (everything but inputs, attributes, output)."""
+    return [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+
+
+def _target_name(gm: fx.GraphModule, n: fx.Node) -> str:
+    if n.op == "call_module":
+        return f"{type(gm.get_submodule(n.target)).__name__}({n.target})"
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def _module_of(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    return n.target if n.op == "call_module" else path
+
+
+def _why_not_recomputable(gm: fx.GraphModule, n: fx.Node) -> str:
+    """Nodes that must not be re-run in backward (their effects would happen twice)."""
+    name = getattr(n.target, "__name__", str(n.target))
+    if name.endswith("_") and not name.endswith("__") and n.op != "call_module":
+        return f"in-place op {name} mutates its input"
+    if n.kwargs.get("inplace") is True:
+        return "in-place op mutates its input"
+    if n.op == "call_module" and getattr(gm.get_submodule(n.target), "inplace", False):
+        return f"in-place module {n.target}"
+    return ""
+
+
+def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None) -> CostGraph:
+    """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
+
+    Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
+    for backward (as cross-entropy keeps its log-softmax), so the plan leaves room for a loss.
+    """
+    from .simulate import timeline  # the calibration below replays the unplanned step
+
+    rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
+    nodes = compute_nodes(gm)
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        state = {k: fake_mode.from_tensor(v) for k, v in _state(gm).items()}
+        fake_in = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
+        fixed = list(state.values()) + [t for t in tree_flatten(fake_in)[0] if isinstance(t, torch.Tensor)]
+        mode = _ProfileMode(baseline=fixed)
+        fixed_storages = [t.untyped_storage() for t in fixed]
+        mode.track_fixed(fixed_storages)
+        grad_params = {id(fixed_storages[i]): t for i, t in enumerate(fixed) if t.requires_grad and t.is_leaf}
+        flops = FlopCounterMode(display=False)
+        runner = _Runner(gm, mode, flops)
+        with _reparametrize_module(gm, state), flops, mode:
+            out = runner.run(*placeholder_values(gm, fake_in))
+            loss_i = len(nodes)
+            loss = runner.measure(loss_i, lambda: _loss(out, loss_fn))
+            bwd = _backward(loss, runner)
+    # the last node whose backward makes each parameter's gradient
+    param_grad = [0] * (len(nodes) + 1)
+    for fid, users in mode.fixed_users.items():
+        st = fixed_storages[fid]
+        if id(st) in grad_params and users:
+            param_grad[max(users)] += st.nbytes()
+    grad_last = [loss_i] * (len(nodes) + 1)
+    for n, i in runner.index.items():
+        users = [runner.index.get(u, loss_i) for u in n.users]
+        grad_last[i] = max(users, default=i)
+    node_costs = []
+    for i in range(len(nodes) + 1):
+        r = runner.rec[i]
+        is_loss = i == loss_i
+        why = "the loss is never recomputed" if is_loss else _why_not_recomputable(gm, nodes[i])
+        node_costs.append(NodeCost(
+            name=LOSS if is_loss else nodes[i].name,
+            target=LOSS if is_loss else _target_name(gm, nodes[i]),
+            module="" if is_loss else _module_of(nodes[i]),
+            flops=int(r["flops"]),
+            cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s,
+            fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
+            grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
+            param_grad_bytes=param_grad[i], recomputable=not why, why_not=why,
+        ))
+    outputs = {mode.sid[t.untyped_storage()] for t in tree_flatten(out)[0]
+               if isinstance(t, torch.Tensor) and t.untyped_storage() in mode.sid}
+    storages = tuple(
+        StorageCost(b, p, tuple(sorted(mode.users.get(s, ()))), tuple(sorted(runner.holders.get(s, ()))),
+                    s in outputs)
+        for s, (b, p) in enumerate(zip(mode.bytes, mode.producer))
+    )
+    cg = CostGraph(
+        nodes=tuple(node_costs), storages=storages,
+        fixed_bytes=sum(st.nbytes() for st in {id(s): s for s in fixed_storages}.values()),
+        param_bytes=sum(st.nbytes() for st in {id(p.untyped_storage()): p.untyped_storage() for p in grad_params.values()}.values()),
+        meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in"},
+    )
+    # Calibrate: whatever the measured backward peak of a node holds beyond the model's account.
+    model_bwd = timeline(cg, ()).bwd
+    nodes_cal = tuple(replace(c, bwd_extra_bytes=max(0, bwd.get(i, 0) - model_bwd[i]))
+                      for i, c in enumerate(cg.nodes))
+    return replace(cg, nodes=nodes_cal, meta={**cg.meta, "measured_peak_bytes": max(mode.peak_bytes, max(bwd.values(), default=0))})
+
+
+def _state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and tensor constants by qualified name (tied ones under every name)."""
+    named = dict(gm.named_parameters(remove_duplicate=False))
+    named.update(gm.named_buffers(remove_duplicate=False))
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target not in named:
+            value = functools.reduce(getattr, n.target.split("."), gm)
+            if isinstance(value, torch.Tensor):
+                named[n.target] = value
+    return named
+
+
+def _loss(out, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(out)
+    ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    return sum(t.float().exp().sum() for t in ts)
+
+
+def _backward(loss: torch.Tensor, runner: _Runner) -> dict[int, int]:
+    """Run backward, returning the peak live bytes measured while each node's backward ran."""
+    if not loss.requires_grad:
+        raise ValueError("the loss does not require grad: no trainable parameter or input reaches it")
+    runner.mode.reset_peak()
+    loss.backward()
+    runner.close_bwd_interval()
+    for h in runner.hooks:
+        h.remove()
+    return runner.bwd_peaks

@@ -1,0 +1,143 @@
+"""Replay a plan on a CostGraph: the exact memory timeline of one step under the liveness model.
+
+NOTE [ liveness ]
+Nodes 0..n-1 run forward in order (the last is the loss), then backward runs n-1..0.
+Fixed bytes F (parameters, buffers, inputs) are live throughout. A storage s of b_s bytes is
+made by node p_s. Under a plan (regions R = [a..b] with SAC-saved nodes S_R) s is *kept* for
+backward when
+  (i)   a holder of s (a node whose autograd saved s) lies outside every region, or
+  (ii)  s is an input of a region (read inside R, made outside R: checkpoint keeps its inputs), or
+  (iii) p_s is a saved node of a region (SAC caches its outputs), or
+  (iv)  s is part of the model's output (the caller holds it).
+Forward: s is live from p_s until its last reader, or to the end of forward when kept. The peak
+during node t is live_start(t) + fwd_extra_t (measured on fake tensors).
+Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_extra_t, where
+  G_param(t) = parameter grads made by nodes >= t (they stay),
+  G_act(t)   = grads of outputs of nodes u with u <= t <= last reader of u (in flight),
+  K(t)       = kept storages not yet released; a storage is released after the backward of the
+               lowest node that needs it (a holder outside regions, or the start of a region it
+               is an input or SAC output of); outputs are released only at the end,
+  W(t)       = the recompute working set of t's region: storages made in R by non-saved nodes
+               and held by nodes of R, from the region's first unpack (top(R), the last holder)
+               until the backward of their lowest holder in R.
+At top(R), the recomputation itself runs: its peak is the recomputed storages made so far, plus
+region intermediates still to be read, plus the node's fwd_extra. The step's peak is the maximum
+over both passes. Recompute cost: nodes of R up to top(R), less the saved ones (torch stops
+recomputing once the last saved tensor is back).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costgraph import CostGraph
+from .result import Region
+
+
+@dataclass(frozen=True)
+class Timeline:
+    fwd: tuple[int, ...]      # peak live bytes during each node's forward
+    bwd: tuple[int, ...]      # peak live bytes during each node's backward
+    recompute_flops: int
+    recompute_s: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(max(self.fwd), max(self.bwd))
+
+
+def region_index(n: int, regions: tuple[Region, ...]) -> list[int]:
+    """For each node, the index of its region, or -1."""
+    where = [-1] * n
+    for k, r in enumerate(regions):
+        for i in range(r.start, r.end + 1):
+            assert where[i] == -1, "regions overlap"
+            where[i] = k
+    return where
+
+
+def _prefix_add(arr: list[int], lo: int, hi: int, v: int) -> None:
+    """Add v over arr[lo..hi] in a difference array."""
+    if lo <= hi:
+        arr[lo] += v
+        arr[hi + 1] -= v
+
+
+def _cumsum(diff: list[int]) -> list[int]:
+    out, acc = [], 0
+    for d in diff[:-1]:
+        acc += d
+        out.append(acc)
+    return out
+
+
+def keep_release(cg: CostGraph, regions: tuple[Region, ...], where: list[int]) -> list[int | None]:
+    """Per storage: the node after whose backward it is released, or None if not kept (see NOTE)."""
+    saved = {i for r in regions for i in r.saved}
+    rel: list[int | None] = []
+    for s in cg.storages:
+        cands = [h for h in s.holders if where[h] < 0]
+        if where[s.producer] >= 0 and s.producer in saved:
+            cands.append(regions[where[s.producer]].start)
+        for u in s.users:
+            k = where[u]
+            if k >= 0 and s.producer not in regions[k]:
+                cands.append(regions[k].start)
+        if s.output:
+            cands.append(0)
+        rel.append(min(cands) if cands else None)
+    return rel
+
+
+def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
+    n = len(cg.nodes)
+    where = region_index(n, regions)
+    rel = keep_release(cg, regions, where)
+    fwd_d, bwd_d = [0] * (n + 1), [0] * (n + 1)
+    for s, r in zip(cg.storages, rel):
+        last = n - 1 if r is not None else max(s.users, default=s.producer)
+        _prefix_add(fwd_d, s.producer + 1, last, s.bytes)     # live at the start of these nodes
+        if r is not None:
+            _prefix_add(bwd_d, r, n - 1, s.bytes)
+    for i, c in enumerate(cg.nodes):
+        _prefix_add(bwd_d, i, c.grad_last_user, c.grad_bytes)
+        _prefix_add(bwd_d, 0, i, c.param_grad_bytes)
+    fwd_live, bwd_live = _cumsum(fwd_d), _cumsum(bwd_d)
+    fwd = tuple(cg.fixed_bytes + fwd_live[t] + cg.nodes[t].fwd_extra_bytes for t in range(n))
+    bwd = [cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)]
+    flops, secs = 0, 0.0
+    for k, r in enumerate(regions):
+        work, top, rec_peak, f, s_ = _region_recompute(cg, r)
+        for t in range(r.start, r.end + 1):
+            bwd[t] += work[t - r.start]
+        if top is not None:
+            base = bwd[top] - work[top - r.start]
+            bwd[top] = max(bwd[top], base - cg.nodes[top].bwd_extra_bytes + rec_peak)
+        flops, secs = flops + f, secs + s_
+    return Timeline(fwd, tuple(bwd), flops, secs)
+
+
+def _region_recompute(cg: CostGraph, r: Region):
+    """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
+    size = r.end - r.start + 1
+    saved = set(r.saved)
+    inside = [s for s in cg.storages if s.producer in r and s.producer not in saved]
+    recomputed = [s for s in inside if any(h in r for h in s.holders)]
+    passing = [s for s in inside if not any(h in r for h in s.holders)]
+    if not recomputed:
+        return [0] * size, None, 0, 0, 0.0
+    top = max(h for s in recomputed for h in s.holders if h in r)
+    diff = [0] * (size + 1)
+    for s in recomputed:
+        low = min(h for h in s.holders if h in r)
+        _prefix_add(diff, low - r.start, top - r.start, s.bytes)
+    work = _cumsum(diff)
+    # the recomputation's forward, r.start..top: recomputed so far + intermediates still to be read
+    live = [0] * (size + 1)
+    for s in recomputed:
+        _prefix_add(live, s.producer + 1 - r.start, size - 1, s.bytes)
+    for s in passing:
+        _prefix_add(live, s.producer + 1 - r.start, min(max(s.users, default=s.producer), r.end) - r.start, s.bytes)
+    live = _cumsum(live)
+    rec_peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
+    todo = [j for j in range(r.start, top + 1) if j not in saved]
+    return work, top, rec_peak, sum(cg.nodes[j].flops for j in todo), sum(cg.nodes[j].cost_s for j in todo)
