@@ -70,14 +70,18 @@ def _cumsum(diff: list[int]) -> list[int]:
     return out
 
 
-def keep_release(cg: CostGraph, regions: tuple[Region, ...], where: list[int]) -> list[int | None]:
+def keep_release(cg: CostGraph, regions: tuple[Region, ...], where: list[int],
+                 tops: list[int | None]) -> list[int | None]:
     """Per storage: the node after whose backward it is released, or None if not kept (see NOTE)."""
-    saved = {i for r in regions for i in r.saved}
     rel: list[int | None] = []
     for s in cg.storages:
         cands = [h for h in s.holders if where[h] < 0]
-        if where[s.producer] >= 0 and s.producer in saved:
-            cands.append(regions[where[s.producer]].start)
+        k = where[s.producer]
+        if k >= 0 and s.producer in regions[k].saved:
+            # SAC cache: handed to the recomputation (and its holders) when it reaches p_s
+            r, top = regions[k], tops[k]
+            inner = [h for h in s.holders if h in r]
+            cands.append(min(inner) if inner and top is not None and s.producer <= top else r.start)
         for u in s.users:
             k = where[u]
             if k >= 0 and s.producer not in regions[k]:
@@ -91,7 +95,8 @@ def keep_release(cg: CostGraph, regions: tuple[Region, ...], where: list[int]) -
 def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     n = len(cg.nodes)
     where = region_index(n, regions)
-    rel = keep_release(cg, regions, where)
+    recomputes = [region_recompute(cg, r) for r in regions]
+    rel = keep_release(cg, regions, where, [rc[1] for rc in recomputes])
     fwd_d, bwd_d = [0] * (n + 1), [0] * (n + 1)
     for s, r in zip(cg.storages, rel):
         last = n - 1 if r is not None else max(s.users, default=s.producer)
@@ -105,8 +110,7 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     fwd = tuple(cg.fixed_bytes + fwd_live[t] + cg.nodes[t].fwd_extra_bytes for t in range(n))
     bwd = [cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)]
     flops, secs = 0, 0.0
-    for k, r in enumerate(regions):
-        work, top, rec_peak, f, s_ = _region_recompute(cg, r)
+    for r, (work, top, rec_peak, f, s_) in zip(regions, recomputes):
         for t in range(r.start, r.end + 1):
             bwd[t] += work[t - r.start]
         if top is not None:
@@ -116,7 +120,7 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     return Timeline(fwd, tuple(bwd), flops, secs)
 
 
-def _region_recompute(cg: CostGraph, r: Region):
+def region_recompute(cg: CostGraph, r: Region):
     """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
     size = r.end - r.start + 1
     saved = set(r.saved)

@@ -1,0 +1,131 @@
+"""plan(): trace -> profile -> CostGraph -> ILP -> simulated Plan, for reports and CI checks."""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .candidates import candidates
+from .costgraph import CostGraph
+from .errors import InfeasibleBudgetError
+from .profile import DeviceRates, profile
+from .result import Plan, Region
+from .simulate import timeline
+from .solve import SolveOptions, solve_ilp, solve_min_peak
+from .trace import Traced, trace
+
+GB = 10**9
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    solve: SolveOptions = field(default_factory=SolveOptions)  # ILP limits and candidate shape
+    safety_margin: float = 0.01     # predicted peak = simulated peak * (1 + margin)
+    find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
+    rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    traced: Traced
+    cost_graph: CostGraph
+    analyze_s: float
+
+
+def budget_to_bytes(budget_gb) -> int:
+    """Validate a budget in GB (10^9 bytes) and convert it to bytes."""
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, numbers.Real):
+        raise ValueError(f"budget must be a number of GB, got {budget_gb!r}")
+    if math.isnan(budget_gb) or math.isinf(budget_gb) or budget_gb <= 0:
+        raise ValueError(f"budget must be a positive, finite number of GB, got {budget_gb!r}")
+    return int(budget_gb * GB)
+
+
+def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
+            rates: DeviceRates | None = None) -> Analysis:
+    """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if example_inputs is not None else ()
+    kwargs = dict(example_kwargs or {})
+    if not args and not kwargs:
+        raise ValueError("no example inputs: pass example_inputs=(...) or example_kwargs={...}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
+    t0 = time.perf_counter()
+    traced = trace(model, args, kwargs)
+    from .trace import bind_inputs
+    named = {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in traced.input_names}
+    cg = profile(traced.gm, named, loss_fn, rates)
+    return Analysis(traced, cg, time.perf_counter() - t0)
+
+
+def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOptions(),
+               opaque: tuple = ()) -> Plan:
+    """Least-recompute Plan whose predicted peak is at most `budget_bytes`.
+
+    Raises InfeasibleBudgetError (with the smallest feasible budget) when none is.
+    """
+    margin = 1.0 + options.safety_margin
+    predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * margin)  # noqa: E731
+    unplanned = predict(())
+    base = dict(budget_bytes=int(budget_bytes), unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
+                node_names=tuple(c.name for c in cg.nodes),
+                total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
+    if unplanned <= budget_bytes:
+        return _finish(cg, Plan(regions=(), predicted_peak_bytes=unplanned, min_feasible_bytes=None,
+                                solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
+                                recompute_flops=0, recompute_s=0.0, **base))
+    t0 = time.perf_counter()
+    cands = candidates(cg, options.solve.max_cuts, options.solve.max_span, options.solve.sac)
+    floor_regions, min_feasible = (), None
+    if options.find_min_feasible:
+        floor_regions = solve_min_peak(cg, options.solve, cands).regions
+        min_feasible = predict(floor_regions)
+        if min_feasible > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, min_feasible)
+    target = int(budget_bytes / margin)
+    for _ in range(4):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
+        sol = solve_ilp(cg, target, options.solve, warm_start=floor_regions, cands=cands)
+        if sol is None or predict(sol.regions) <= budget_bytes:
+            break
+        target -= predict(sol.regions) - budget_bytes
+    if sol is None or predict(sol.regions) > budget_bytes:
+        if not floor_regions:
+            floor_regions = solve_min_peak(cg, options.solve, cands).regions
+            min_feasible = predict(floor_regions)
+        if min_feasible > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, min_feasible)
+        regions, status, gap = floor_regions, "min-peak plan (the ILP found nothing cheaper)", float("nan")
+    else:
+        regions, status, gap = sol.regions, sol.status, sol.gap
+    tl = timeline(cg, regions)
+    return _finish(cg, Plan(regions=regions, predicted_peak_bytes=math.ceil(tl.peak_bytes * margin),
+                            min_feasible_bytes=min_feasible, solver="ilp", status=status, gap=gap,
+                            solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
+                            recompute_s=tl.recompute_s, **base))
+
+
+def _finish(cg: CostGraph, p: Plan) -> Plan:
+    notes = [f"{c.name}: not recomputable ({c.why_not})" for c in cg.nodes[:-1] if not c.recomputable]
+    if cg.meta.get("loss") == "stand-in":
+        notes.append("no loss_fn given: room is reserved for a loss that keeps one tensor of the output's size")
+    return replace(p, notes=tuple(notes), meta=dict(cg.meta))
+
+
+def plan(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, example_kwargs=None,
+         loss_fn=None, options: PlanOptions = PlanOptions()) -> Plan:
+    """Plan checkpoint regions so that one training step of `model` fits `budget_gb` (10^9 bytes).
+
+    >>> import torch
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    >>> p = plan(m, 1.0, example_inputs=(torch.randn(32, 64),))
+    >>> p.regions, p.predicted_peak_bytes <= p.budget_bytes
+    ((), True)
+    """
+    budget = budget_to_bytes(budget_gb)
+    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.rates)
+    return solve_plan(a.cost_graph, budget, options, a.traced.opaque)

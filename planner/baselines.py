@@ -1,0 +1,65 @@
+"""What users do by hand, as plans over the same CostGraph (pure functions, no torch).
+
+Blocks are read off module paths: the repeated children of the module list or sequential that
+covers the most nodes (`h.0`, `h.1`, ... in a GPT-2; `layer1.0`, ... in a ResNet).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from .costgraph import CostGraph
+from .result import Region
+
+
+def block_of(module: str, prefix: str) -> str | None:
+    if not module.startswith(prefix + "."):
+        return None
+    head = module[len(prefix) + 1:].split(".")[0]
+    return f"{prefix}.{head}" if head.isdigit() else None
+
+
+def blocks(cg: CostGraph) -> list[tuple[int, int]]:
+    """(first, last) node of each repeated block, in order; [] when the model has none."""
+    counts: Counter = Counter()
+    for c in cg.nodes:
+        parts = c.module.split(".") if c.module else []
+        for k in range(len(parts)):
+            if parts[k].isdigit():
+                counts[".".join(parts[:k])] += 1
+    if not counts:
+        return []
+    prefix = max(counts, key=lambda p: (counts[p], -len(p)))
+    spans: dict[str, list[int]] = {}
+    for i, c in enumerate(cg.nodes):
+        b = block_of(c.module, prefix)
+        if b is not None:
+            spans.setdefault(b, [i, i])[1] = i
+    return sorted((a, b) for a, b in spans.values())
+
+
+def _recomputable(cg: CostGraph, spans) -> tuple[Region, ...]:
+    return tuple(Region(a, b) for a, b in spans if all(c.recomputable for c in cg.nodes[a:b + 1]))
+
+
+def no_checkpointing(cg: CostGraph) -> tuple[Region, ...]:
+    return ()
+
+
+def every_block(cg: CostGraph) -> tuple[Region, ...]:
+    """Checkpoint each block (what `gradient_checkpointing_enable()` does)."""
+    return _recomputable(cg, blocks(cg))
+
+
+def sqrt_segments(cg: CostGraph) -> tuple[Region, ...]:
+    """`checkpoint_sequential` over the blocks with ceil(sqrt(n)) segments; the last runs plainly."""
+    bl = blocks(cg)
+    if not bl:
+        return ()
+    k = math.ceil(math.sqrt(len(bl)))
+    size = math.ceil(len(bl) / k)
+    groups = [bl[i:i + size] for i in range(0, len(bl), size)]
+    return _recomputable(cg, [(g[0][0], g[-1][1]) for g in groups[:-1]])
+
+
+BASELINES = {"none": no_checkpointing, "every_block": every_block, "sqrt": sqrt_segments}
