@@ -79,12 +79,29 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
     return Candidate(region, cost, flops, tuple(work), tuple(drops), tuple(caches))
 
 
+def _written_after_reads(cg: CostGraph):
+    """written_late(a, j): node j reads a storage made before a that some node >= a writes."""
+    reads: dict[int, list] = {}
+    for s in cg.storages:
+        if s.mutated_by:
+            for u in s.users:
+                reads.setdefault(u, []).append(s)
+    def written_late(a: int, j: int) -> bool:
+        return any(s.producer < a and max(s.mutated_by) >= a for s in reads.get(j, ()))
+    return written_late
+
+
 def candidates(cg: CostGraph, max_cuts: int = 160, max_span: int = 14, sac: bool = True) -> list[Candidate]:
     """All candidate regions between cut points, each in its plain and (if different) SAC form."""
     by_producer: list[list[int]] = [[] for _ in cg.nodes]
     for sid, s in enumerate(cg.storages):
         by_producer[s.producer].append(sid)
     ok = [c.recomputable for c in cg.nodes]
+    # SAC may keep a node's outputs only if no other node writes them in place
+    keepable = [c.flops > 0 and all(set(cg.storages[sid].mutated_by) <= {j} for sid in by_producer[j])
+                for j, c in enumerate(cg.nodes)]
+    # a storage made before node a and written at or after a must not be an input of a region at a
+    written_late = _written_after_reads(cg)
     cuts = cut_points(cg, max_cuts)
     out = []
     for i, a_cut in enumerate(cuts):
@@ -92,7 +109,9 @@ def candidates(cg: CostGraph, max_cuts: int = 160, max_span: int = 14, sac: bool
             a, b = a_cut + 1, b_cut
             if not all(ok[a:b + 1]):
                 break
-            heavy = tuple(j for j in range(a, b + 1) if cg.nodes[j].flops > 0)
+            if any(written_late(a, j) for j in range(a, b + 1)):
+                continue
+            heavy = tuple(j for j in range(a, b + 1) if keepable[j])
             variants = [Region(a, b)]
             if sac and heavy and len(heavy) < b - a + 1:
                 variants.append(Region(a, b, heavy))

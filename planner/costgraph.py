@@ -34,6 +34,7 @@ class StorageCost:
     users: tuple[int, ...]    # nodes that read it (through any view) in the forward
     holders: tuple[int, ...]  # nodes whose autograd saved it for backward
     output: bool = False      # part of the model's output: the caller holds it through backward
+    mutated_by: tuple[int, ...] = ()  # nodes that write it in place
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class CostGraph:
         return cls(
             nodes=tuple(NodeCost(**x) for x in d["nodes"]),
             storages=tuple(
-                StorageCost(x["bytes"], x["producer"], tuple(x["users"]), tuple(x["holders"]), x["output"])
+                StorageCost(x["bytes"], x["producer"], tuple(x["users"]), tuple(x["holders"]), x["output"],
+                            tuple(x["mutated_by"]))
                 for x in d["storages"]
             ),
             fixed_bytes=d["fixed_bytes"],

@@ -52,7 +52,9 @@ class _ProfileMode(LiveBytes):
         self.bytes: list[int] = []
         self.producer: list[int] = []
         self.users: dict[int, set[int]] = defaultdict(set)
-        self.fixed_users: dict[int, set[int]] = defaultdict(set)   # id(fixed storage) -> nodes
+        self.fixed_users: dict[int, set[int]] = defaultdict(set)   # fixed storage index -> nodes
+        self.mutated: dict[int, set[int]] = defaultdict(set)       # storage id -> nodes writing it
+        self.fixed_mutated: dict[int, set[int]] = defaultdict(set)
         self.moved: dict[int, int] = defaultdict(int)
         self.node = -1          # current node index; -1 = not recording
         self.fixed_ids: dict = {}
@@ -72,15 +74,26 @@ class _ProfileMode(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
+            written = {id(t) for a, t in zip(func._schema.arguments, args)
+                       if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor)}
+            written |= {id(kwargs[a.name]) for a in func._schema.arguments
+                        if a.alias_info is not None and a.alias_info.is_write and isinstance((kwargs or {}).get(a.name), torch.Tensor)}
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    self.moved[self.node] += t.numel() * t.element_size()
-                    if st in self.sid:
-                        self.users[self.sid[st]].add(self.node)
-                    elif st in self.fixed_ids:
-                        self.fixed_users[self.fixed_ids[st]].add(self.node)
+                    self._read(t, id(t) in written)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _read(self, t: torch.Tensor, write: bool) -> None:
+        st = t.untyped_storage()
+        self.moved[self.node] += t.numel() * t.element_size()
+        if st in self.sid:
+            self.users[self.sid[st]].add(self.node)
+            if write:
+                self.mutated[self.sid[st]].add(self.node)
+        elif st in self.fixed_ids:
+            self.fixed_users[self.fixed_ids[st]].add(self.node)
+            if write:
+                self.fixed_mutated[self.fixed_ids[st]].add(self.node)
 
 
 class _Runner(fx.Interpreter):
@@ -159,18 +172,6 @@ def _module_of(n: fx.Node) -> str:
     return n.target if n.op == "call_module" else path
 
 
-def _why_not_recomputable(gm: fx.GraphModule, n: fx.Node) -> str:
-    """Nodes that must not be re-run in backward (their effects would happen twice)."""
-    name = getattr(n.target, "__name__", str(n.target))
-    if name.endswith("_") and not name.endswith("__") and n.op != "call_module":
-        return f"in-place op {name} mutates its input"
-    if n.kwargs.get("inplace") is True:
-        return "in-place op mutates its input"
-    if n.op == "call_module" and getattr(gm.get_submodule(n.target), "inplace", False):
-        return f"in-place module {n.target}"
-    return ""
-
-
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
@@ -183,6 +184,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     nodes = compute_nodes(gm)
     with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         state = {k: fake_mode.from_tensor(v) for k, v in _state(gm).items()}
+        buffer_names = [k for k, _ in gm.named_buffers(remove_duplicate=False)]
         fake_in = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         fixed = list(state.values()) + [t for t in tree_flatten(fake_in)[0] if isinstance(t, torch.Tensor)]
         mode = _ProfileMode(baseline=fixed)
@@ -202,6 +204,13 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         st = fixed_storages[fid]
         if id(st) in grad_params and users:
             param_grad[max(users)] += st.nbytes()
+    # a node that writes a parameter or an input in place must not run twice
+    buffer_ids = {id(st) for st in (state[k].untyped_storage() for k in buffer_names)}
+    writes_fixed: dict[int, str] = {}
+    for fid, writers in mode.fixed_mutated.items():
+        if id(fixed_storages[fid]) not in buffer_ids:
+            for w in writers:
+                writes_fixed[w] = "writes a parameter or an input in place"
     grad_last = [loss_i] * (len(nodes) + 1)
     for n, i in runner.index.items():
         users = [runner.index.get(u, loss_i) for u in n.users]
@@ -210,7 +219,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     for i in range(len(nodes) + 1):
         r = runner.rec[i]
         is_loss = i == loss_i
-        why = "the loss is never recomputed" if is_loss else _why_not_recomputable(gm, nodes[i])
+        why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "")
         node_costs.append(NodeCost(
             name=LOSS if is_loss else nodes[i].name,
             target=LOSS if is_loss else _target_name(gm, nodes[i]),
@@ -225,7 +234,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
                if isinstance(t, torch.Tensor) and t.untyped_storage() in mode.sid}
     storages = tuple(
         StorageCost(b, p, tuple(sorted(mode.users.get(s, ()))), tuple(sorted(runner.holders.get(s, ()))),
-                    s in outputs)
+                    s in outputs, tuple(sorted(mode.mutated.get(s, ()))))
         for s, (b, p) in enumerate(zip(mode.bytes, mode.producer))
     )
     cg = CostGraph(

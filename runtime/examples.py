@@ -112,7 +112,7 @@ def gpt2(*, n_layer=4, d_model=128, n_head=4, seq_len=128, batch=4, vocab=1024, 
 
 
 # ---------------------------------------------------------------------------- mlp
-def mlp(*, depth=8, width=512, batch=64, in_features=256, n_classes=10, seed=0) -> Example:
+def mlp(*, depth=8, width=512, batch=1024, in_features=256, n_classes=10, seed=0) -> Example:
     """Chain of ``depth`` Linear -> LayerNorm -> GELU blocks plus a classifier head."""
     with _seeded(seed):
         blocks = nn.Sequential(*(

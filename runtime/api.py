@@ -1,0 +1,100 @@
+"""plan_and_wrap(): the model a user trains, with checkpoint regions that fit the budget."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from planner import PlanOptions, analyze, budget_to_bytes, solve_plan
+from planner.result import Plan
+from planner.trace import bind_inputs
+
+from .rewrite import adopt, rewrite
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+        else:
+            key.append(repr(x))
+    return tuple(key)
+
+
+class RematModule(torch.nn.Module):
+    """`model` with activation checkpointing planned to fit `budget_bytes`.
+
+    Registers the original model's children, parameters and buffers under their original names
+    (the same objects): `state_dict()` keys are unchanged and an optimizer built on the original
+    parameters keeps working. Plans are made per input signature (shapes, dtypes) on first use
+    and cached; `plan` is the plan of the latest call. In eval mode or under no_grad the original
+    model runs unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget_bytes: int, loss_fn: Callable | None,
+                 options: PlanOptions):
+        super().__init__()
+        adopt(self, model)
+        self.train(model.training)
+        self._model = (model,)                 # tuples keep these out of the module tree
+        self._budget_bytes, self._loss_fn, self._options = budget_bytes, loss_fn, options
+        self._plans: dict[tuple, tuple[Plan, torch.nn.Module]] = {}
+        self._last: tuple | None = None
+
+    @property
+    def plan(self) -> Plan:
+        if self._last is None:
+            raise RuntimeError("no plan yet: the model plans at its first training call")
+        return self._plans[self._last][0]
+
+    @property
+    def plans(self) -> dict[tuple, Plan]:
+        return {k: v[0] for k, v in self._plans.items()}
+
+    def plan_for(self, *args, **kwargs) -> Plan:
+        """Plan (or fetch the cached plan) for inputs like these, without running the model."""
+        key = _shape_key(args, kwargs)
+        if key not in self._plans:
+            model = self._model[0]
+            a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
+            p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque)
+            gm = rewrite(model, a.traced.gm, p)
+            self._plans[key] = (p, gm)
+        self._last = key
+        return self._plans[key][0]
+
+    def forward(self, *args, **kwargs):
+        model = self._model[0]
+        if not (self.training and torch.is_grad_enabled()):
+            return model(*args, **kwargs)
+        self.plan_for(*args, **kwargs)
+        gm = self._plans[self._last][1]
+        if gm.training != self.training:
+            gm.train(self.training)
+        named = bind_inputs(model, args, kwargs)
+        return gm(**{k: v for k, v in named.items()})
+
+
+def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, example_kwargs=None,
+                  loss_fn: Callable | None = None, options: PlanOptions = PlanOptions()) -> RematModule:
+    """Wrap `model` so that one training step fits `budget_gb` (10^9 bytes) at the least recompute.
+
+    With example inputs the plan is made now (errors surface here); without, at the first call.
+    The budget covers parameters, gradients, inputs, activations and the loss: pass `loss_fn`
+    (output -> scalar) to have the loss planned exactly, else room is left for a loss that keeps
+    one tensor of the output's size.
+
+    >>> import torch
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    >>> w = plan_and_wrap(m, 1.0, example_inputs=(torch.randn(32, 64),))
+    >>> w.plan.regions, w.state_dict().keys() == m.state_dict().keys()
+    ((), True)
+    """
+    wrapped = RematModule(model, budget_to_bytes(budget_gb), loss_fn, options)
+    if example_inputs is not None or example_kwargs is not None:
+        wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
+    return wrapped

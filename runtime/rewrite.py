@@ -1,0 +1,215 @@
+"""Apply a Plan to a traced model: each region becomes a call to a checkpointed sub-graph.
+
+Mechanism only — the Plan says which nodes form each region and which of them keep their
+outputs (SAC MUST_SAVE); this module decides nothing. The returned GraphModule has the original
+model's children, parameters and buffers registered under their original names (the same
+objects), so `state_dict()` keys and an optimizer built on the original keep working.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import threading
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.profile import compute_nodes
+from planner.result import Plan, Region
+
+_SAVE = threading.local()
+
+
+def save_scope_enter() -> None:
+    """Marks the start of a node whose ops the SAC policy saves (inserted by the rewriter)."""
+    _SAVE.depth = getattr(_SAVE, "depth", 0) + 1
+
+
+def save_scope_exit() -> None:
+    _SAVE.depth -= 1
+
+
+def _is_view(op) -> bool:
+    """The op returns an alias of an input without writing it (view, transpose, expand...)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+def _policy(ctx, op, *args, **kwargs):
+    """Save what the plan's saved nodes compute. Views are recomputed (they cost nothing, and a
+    cached view would pin its base: often a tensor the plan drops); in-place ops stay cached so
+    that a recompute never applies them twice."""
+    if getattr(_SAVE, "depth", 0) > 0 and not _is_view(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class _RestoreBuffers:
+    """Recompute context: module buffers (BatchNorm running stats) end as they began, so a
+    recomputed region does not update them a second time."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+
+    def __enter__(self):
+        self.buffers = [b for m in self.modules for b in m.buffers()]   # looked up now: .to() replaces them
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                b.copy_(s)
+        self.buffers = self.saved = None
+        return False
+
+
+@contextlib.contextmanager
+def _restoring(recompute_ctx, modules: list[torch.nn.Module]):
+    with _RestoreBuffers(modules), recompute_ctx:
+        yield
+
+
+@contextlib.contextmanager
+def _scoped(ctx):
+    """Run a region's forward or recompute with a fresh save scope: a recompute that torch stops
+    early (inside a saved node, between its markers) must not leave the scope open."""
+    outer = getattr(_SAVE, "depth", 0)
+    _SAVE.depth = 0
+    try:
+        with ctx:
+            yield
+    finally:
+        _SAVE.depth = outer
+
+
+class CheckpointRegion(torch.nn.Module):
+    """Runs one region's sub-graph under torch.utils.checkpoint (non-reentrant).
+
+    It owns no parameters: the sub-graph calls the model's own modules, which stay registered
+    where they were. In eval mode or under no_grad it runs the sub-graph directly, at no cost.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, node_names: list[str], saved: list[str],
+                 stateful: list[torch.nn.Module]):
+        super().__init__()
+        self._gm = (graph_module,)        # a tuple: not a registered submodule
+        self.node_names, self.saved = node_names, saved
+        self._stateful = tuple(stateful)  # modules whose buffers a recompute must not change
+
+    def extra_repr(self) -> str:
+        return f"{self.node_names[0]}..{self.node_names[-1]} ({len(self.node_names)} nodes), saves {self.saved}"
+
+    def _contexts(self):
+        fwd, rec = ((create_selective_checkpoint_contexts(_policy, allow_cache_entry_mutation=True)) if self.saved
+                    else (contextlib.nullcontext(), contextlib.nullcontext()))
+        if self._stateful:
+            rec = _restoring(rec, list(self._stateful))
+        return _scoped(fwd), _scoped(rec)
+
+    def forward(self, *args):
+        gm = self._gm[0]
+        if not (self.training and torch.is_grad_enabled()):
+            return gm(*args)
+        return checkpoint(gm, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts)
+
+
+def _region_graph(nodes: list[fx.Node], saved: set[str]) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
+    """Sub-graph of `nodes`; returns it with the outside nodes it reads and the nodes read outside."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:
+            if a.op == "get_attr":
+                env[a] = g.get_attr(a.target)
+            else:
+                inputs.append(a)
+                env[a] = g.placeholder(a.name)
+        return env[a]
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                arg(a)
+        if n.name in saved:
+            g.call_function(save_scope_enter)
+        env[n] = g.node_copy(n, lambda a: env[a])
+        if n.name in saved:
+            g.call_function(save_scope_exit)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    g.output(tuple(env[n] for n in outputs))
+    return g, inputs, outputs
+
+
+def _stateful_modules(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[torch.nn.Module]:
+    mods = [gm.get_submodule(n.target) for n in nodes if n.op == "call_module"]
+    return [m for m in mods if next(m.buffers(), None) is not None]
+
+
+def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """A GraphModule computing what `gm` (traced from `model`) does, with the plan's regions
+    checkpointed. Parameters, buffers and submodules are `model`'s own objects, by the same names.
+    """
+    nodes = compute_nodes(gm)
+    names = [n.name for n in nodes]
+    if list(plan.node_names[:len(names)]) != names:
+        raise ValueError("plan does not match this graph (was it made for another model or input shape?)")
+    region_at = {r.start: (k, r) for k, r in enumerate(plan.regions)}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    regions: dict[str, CheckpointRegion] = {}
+    skip_until = -1
+    index = {n: i for i, n in enumerate(nodes)}
+    for n in gm.graph.nodes:
+        i = index.get(n, -1)
+        if i != -1 and i <= skip_until:
+            continue
+        if i in region_at:
+            k, r = region_at[i]
+            body = nodes[r.start:r.end + 1]
+            saved = {names[j] for j in r.saved}
+            sub, inputs, outputs = _region_graph(body, saved)
+            sub_gm = fx.GraphModule(gm, sub, f"Region{k}")
+            name = f"remat_region_{k}"
+            regions[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved), _stateful_modules(gm, body))
+            call = graph.call_module(name, tuple(env[a] for a in inputs))
+            for j, o in enumerate(outputs):
+                env[o] = graph.call_function(operator.getitem, (call, j))
+            skip_until = r.end
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.lint()
+    root: dict = dict(regions)
+    for n in graph.nodes:
+        if n.op in ("call_module", "get_attr") and n.target not in root:
+            root[n.target] = functools.reduce(getattr, n.target.split("."), gm)
+    out = fx.GraphModule(root, graph, type(model).__name__ + "Remat")
+    adopt(out, model)
+    for name, mod in regions.items():
+        out.add_module(name, mod)
+    out.train(model.training)
+    _check(out, plan)
+    return out
+
+
+def adopt(out: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Give `out` exactly `model`'s children, parameters and buffers (the same objects)."""
+    for name in list(out._modules):
+        delattr(out, name)
+    for name, child in model.named_children():
+        out.add_module(name, child)
+    for name, p in model.named_parameters(recurse=False):
+        out.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        out.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+
+
+def _check(out: fx.GraphModule, plan: Plan) -> None:
+    """The rewritten graph has one region module per plan region, each with the plan's nodes."""
+    calls = [n.target for n in out.graph.nodes if n.op == "call_module" and n.target.startswith("remat_region_")]
+    assert len(calls) == len(plan.regions), "rewrite lost a region"
+    for name, r in zip(calls, plan.regions):
+        assert getattr(out, name).node_names == list(plan.node_names[r.start:r.end + 1])
