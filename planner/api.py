@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .baselines import BASELINES
 from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
@@ -59,7 +60,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     traced = trace(model, args, kwargs)
     from .trace import bind_inputs
     named = {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in traced.input_names}
-    cg = profile(traced.gm, named, loss_fn, rates)
+    cg = profile(traced.gm, named, loss_fn, rates, tuple(m for m, _ in traced.opaque))
     return Analysis(traced, cg, time.perf_counter() - t0)
 
 
@@ -81,30 +82,37 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                                 recompute_flops=0, recompute_s=0.0, **base))
     t0 = time.perf_counter()
     cands = candidates(cg, options.solve.max_cuts, options.solve.max_span, options.solve.sac)
-    floor_regions, min_feasible = (), None
+    # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
+    # They bound the smallest feasible budget and warm-start the ILP.
+    known = {name: fn(cg) for name, fn in BASELINES.items() if name != "none"}
     if options.find_min_feasible:
-        floor_regions = solve_min_peak(cg, options.solve, cands).regions
-        min_feasible = predict(floor_regions)
-        if min_feasible > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, min_feasible)
+        known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
+    peaks = {name: predict(r) for name, r in known.items() if r}
+    fitting = sorted((timeline(cg, known[k]).recompute_s, k) for k, p in peaks.items() if p <= budget_bytes)
+    min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
+    if options.find_min_feasible and not fitting:
+        raise InfeasibleBudgetError(budget_bytes, min_feasible)
+    warm = known[fitting[0][1]] if fitting else ()
     target = int(budget_bytes / margin)
     for _ in range(4):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
-        sol = solve_ilp(cg, target, options.solve, warm_start=floor_regions, cands=cands)
+        sol = solve_ilp(cg, target, options.solve, warm_start=warm, cands=cands)
         if sol is None or predict(sol.regions) <= budget_bytes:
             break
         target -= predict(sol.regions) - budget_bytes
-    if sol is None or predict(sol.regions) > budget_bytes:
-        if not floor_regions:
-            floor_regions = solve_min_peak(cg, options.solve, cands).regions
-            min_feasible = predict(floor_regions)
-        if min_feasible > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, min_feasible)
-        regions, status, gap = floor_regions, "min-peak plan (the ILP found nothing cheaper)", float("nan")
+    ilp_ok = sol is not None and predict(sol.regions) <= budget_bytes
+    if fitting and (not ilp_ok or timeline(cg, known[fitting[0][1]]).recompute_s < timeline(cg, sol.regions).recompute_s):
+        name = fitting[0][1]
+        regions, solver, status, gap = known[name], name, "cheaper than the ILP's best within its time limit", float("nan")
+    elif ilp_ok:
+        regions, solver, status, gap = sol.regions, "ilp", sol.status, sol.gap
     else:
-        regions, status, gap = sol.regions, sol.status, sol.gap
+        if min_feasible is None:
+            floor = solve_min_peak(cg, options.solve, cands).regions
+            min_feasible = min([predict(floor)] + list(peaks.values()))
+        raise InfeasibleBudgetError(budget_bytes, min_feasible)
     tl = timeline(cg, regions)
     return _finish(cg, Plan(regions=regions, predicted_peak_bytes=math.ceil(tl.peak_bytes * margin),
-                            min_feasible_bytes=min_feasible, solver="ilp", status=status, gap=gap,
+                            min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
                             solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
 

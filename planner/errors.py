@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+def gb(n_bytes: int) -> str:
+    """Bytes as GB (10^9) with four significant digits: '0.01734 GB', '13.69 GB'."""
+    return f"{n_bytes / 1e9:.4g} GB"
+
+
 class RematError(Exception):
     """Base class of every error remat raises on purpose."""
 
@@ -13,9 +18,9 @@ class InfeasibleBudgetError(RematError):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         super().__init__(
-            f"budget {budget_bytes / 1e9:.3f} GB is below the smallest feasible peak "
-            f"{min_feasible_bytes / 1e9:.3f} GB for this model and input; raise the budget to at "
-            f"least {min_feasible_bytes / 1e9:.3f} GB, or shrink the batch/sequence"
+            f"budget {gb(budget_bytes)} is below the smallest feasible peak {gb(min_feasible_bytes)} "
+            f"for this model and input; raise the budget to at least {gb(min_feasible_bytes)}, "
+            f"or shrink the batch/sequence"
         )
 
 

@@ -21,14 +21,16 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
+from .opaque import StandIn, TensorSpec, measure_opaque
 from .storage import LiveBytes
 from .trace import placeholder_values
 
 LOSS = "loss"
+_OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outside the fake run
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,10 @@ class _ProfileMode(LiveBytes):
 class _Runner(fx.Interpreter):
     """Runs the graph node by node, recording per-node forward measurements."""
 
-    def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode):
+    def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode,
+                 opaque: dict[str, dict[str, torch.Tensor]]):
         super().__init__(gm)
+        self.opaque = opaque            # opaque module name -> its real parameters and buffers
         self.mode, self.flops = mode, flops
         self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
         self.holders: dict[int, set[int]] = defaultdict(set)
@@ -132,7 +136,21 @@ class _Runner(fx.Interpreter):
         i = self.index.get(n)
         if i is None:
             return super().run_node(n)
+        if n.op == "call_module" and n.target in self.opaque:
+            return self.measure(i, lambda: self.run_opaque(n))
         return self.measure(i, lambda: super(_Runner, self).run_node(n))
+
+    def run_opaque(self, n: fx.Node):
+        """An opaque module: measured for real in isolation, stood in for on fake tensors."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        mod = self.module.get_submodule(n.target)
+        cost, out_spec = measure_opaque(mod, self.opaque[n.target], args, kwargs)
+        flat_spec, spec = tree_flatten(out_spec)
+        tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        outs = iter(StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *mod.parameters()))
+        self.flops.flop_counts["Global"][_OPAQUE_FLOPS] += cost.flops
+        return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec)
 
     def measure(self, i: int, fn):
         mode = self.mode
@@ -172,7 +190,8 @@ def _module_of(n: fx.Node) -> str:
     return n.target if n.op == "call_module" else path
 
 
-def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None) -> CostGraph:
+def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
+            opaque: tuple[str, ...] = ()) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
@@ -182,8 +201,10 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
 
     rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
     nodes = compute_nodes(gm)
+    real_state = _state(gm)
+    opaque_state = {m: {k[len(m) + 1:]: v for k, v in real_state.items() if k.startswith(m + ".")} for m in opaque}
     with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        state = {k: fake_mode.from_tensor(v) for k, v in _state(gm).items()}
+        state = {k: fake_mode.from_tensor(v) for k, v in real_state.items()}
         buffer_names = [k for k, _ in gm.named_buffers(remove_duplicate=False)]
         fake_in = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         fixed = list(state.values()) + [t for t in tree_flatten(fake_in)[0] if isinstance(t, torch.Tensor)]
@@ -192,7 +213,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         mode.track_fixed(fixed_storages)
         grad_params = {id(fixed_storages[i]): t for i, t in enumerate(fixed) if t.requires_grad and t.is_leaf}
         flops = FlopCounterMode(display=False)
-        runner = _Runner(gm, mode, flops)
+        runner = _Runner(gm, mode, flops, opaque_state)
         with _reparametrize_module(gm, state), flops, mode:
             out = runner.run(*placeholder_values(gm, fake_in))
             loss_i = len(nodes)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from .errors import gb
+
 
 @dataclass(frozen=True)
 class Region:
@@ -61,11 +63,10 @@ class Plan:
         return cls(**d)
 
     def summary(self) -> str:
-        gb = 1e9
         lines = [
-            f"budget {self.budget_bytes / gb:.3f} GB | predicted peak {self.predicted_peak_bytes / gb:.3f} GB"
-            f" (unplanned {self.unplanned_peak_bytes / gb:.3f} GB"
-            + (f", smallest feasible {self.min_feasible_bytes / gb:.3f} GB" if self.min_feasible_bytes else "")
+            f"budget {gb(self.budget_bytes)} | predicted peak {gb(self.predicted_peak_bytes)}"
+            f" (unplanned {gb(self.unplanned_peak_bytes)}"
+            + (f", smallest feasible {gb(self.min_feasible_bytes)}" if self.min_feasible_bytes else "")
             + ")",
             f"recompute {self.recompute_flops / 1e9:.2f} GFLOP of {self.total_flops / 1e9:.2f} GFLOP forward;"
             f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward",

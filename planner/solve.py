@@ -32,6 +32,9 @@ from .result import Region
 from .simulate import timeline
 
 
+_US = 1e6   # the objective is in microseconds: CBC's tolerances suit numbers of that size
+
+
 @dataclass(frozen=True, kw_only=True)
 class SolveOptions:
     time_limit_s: float = 10.0    # wall-clock limit of one CBC solve
@@ -116,7 +119,7 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None):
         prob += fwd_base[t] * scale + J <= B
         work = pulp.lpSum(cands[j].work[t - cands[j].region.start] * scale * x[j] for j in covering[t])
         prob += bwd_base[t] * scale + K + work <= B
-    cost = pulp.lpSum(c.cost_s * 1e6 * x[j] for j, c in enumerate(cands))   # microseconds
+    cost = pulp.lpSum(c.cost_s * _US * x[j] for j, c in enumerate(cands))
     return prob, x, B, cost
 
 
@@ -158,11 +161,11 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     solve_s, status, sol = _run(prob, opts, bool(warm))
     if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
-    obj = (pulp.value(cost) or 0.0) / 1e6
+    obj = (pulp.value(cost) or 0.0) / _US
     regions = _chosen(cands, x)
     if sol == pulp.LpSolutionOptimal:
         return Solution(regions, "optimal", opts.rel_gap if obj else 0.0, solve_s, obj)
-    return Solution(regions, "feasible (time limit)", _lp_gap(prob, x, obj * 1e6), solve_s, obj)
+    return Solution(regions, "feasible (time limit)", _lp_gap(prob, x, obj * _US), solve_s, obj)
 
 
 def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
@@ -170,11 +173,11 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     """Regions that minimise the ILP peak (recompute cost breaks ties)."""
     cands = candidates(cg, opts.max_cuts, opts.max_span, opts.sac) if cands is None else cands
     prob, x, B, cost = _model(cg, cands, None)
-    total = sum(c.cost_s for c in cands) or 1.0
-    prob += B + 1e-3 * cost / total
+    total = sum(c.cost_s * _US for c in cands) or 1.0
+    prob += B + 1e-3 * cost / total        # the least peak first; recompute only breaks ties
     solve_s, status, sol = _run(prob, opts, False)
     if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         from .errors import SolverError
         raise SolverError(status, "while minimising the peak")
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (time limit)"
-    return Solution(_chosen(cands, x), label, float("nan"), solve_s, (pulp.value(cost) or 0.0) / 1e6)
+    return Solution(_chosen(cands, x), label, float("nan"), solve_s, (pulp.value(cost) or 0.0) / _US)

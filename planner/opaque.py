@@ -1,0 +1,107 @@
+"""Profiling an opaque module: one whose code fake tensors cannot run (it branches on values).
+
+The module runs once for real, alone, on synthetic inputs of the right shapes (random floats,
+zero integers) with detached copies of its parameters and buffers, so the user's model is not
+touched. That run is measured with the same instruments as the fake profile (live bytes, saved
+tensors, FLOPs, a backward). In the fake graph the node is then stood in for by an autograd
+Function that allocates, saves and frees exactly those amounts, keeps the gradient path to its
+inputs and parameters, and produces outputs of the real shapes. Only the module's own
+activations are ever allocated, one opaque module at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from .storage import LiveBytes
+
+
+@dataclass(frozen=True)
+class OpaqueCost:
+    flops: int
+    saved_input_positions: tuple[int, ...]   # which tensor inputs autograd saved
+    internal_saved_bytes: int                # saved storages made inside the module
+    fwd_extra_bytes: int                     # forward peak above its inputs, outputs excluded
+    bwd_extra_bytes: int                     # backward peak above its inputs' and outputs' grads
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        x = torch.randn(t.shape, dtype=t.dtype)
+    else:
+        x = torch.zeros(t.shape, dtype=t.dtype)
+    return x.requires_grad_(t.requires_grad)
+
+
+def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs):
+    """Run `module` for real on inputs shaped like the fake `args`; returns (cost, fake-able outputs)."""
+    # the profile's own modes (fake tensors, its meters) must not see this real run
+    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+        flat, spec = tree_flatten((args, kwargs))
+        real = [_real_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        r_args, r_kwargs = tree_unflatten(real, spec)
+        state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
+        inputs = [x for x in real if isinstance(x, torch.Tensor)]
+        in_storages = [x.untyped_storage() for x in inputs]
+        saved_inputs, internal = set(), {}
+        def pack(t):
+            st = t.untyped_storage()
+            for i, s in enumerate(in_storages):
+                if s is st:
+                    saved_inputs.add(i)
+                    return t
+            if all(st is not p.untyped_storage() for p in state.values()):
+                internal[id(st)] = st.nbytes()
+            return t
+        with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False) as fc:
+            start = live.live_bytes
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.func.functional_call(module, state, r_args, r_kwargs)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
+            fwd_extra = max(0, live.peak_bytes - start - out_bytes)
+            grads = [t for t in outs if t.requires_grad]
+            live.reset_peak()
+            before_bwd = live.live_bytes
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            made_grads = sum(x.numel() * x.element_size() for x in inputs + list(state.values()) if x.requires_grad)
+            bwd_extra = max(0, live.peak_bytes - before_bwd - made_grads)
+        cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), sum(internal.values()),
+                          fwd_extra, bwd_extra)
+        shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+    return cost, shapes
+
+
+class StandIn(torch.autograd.Function):
+    """Fake-tensor stand-in for an opaque module, with its measured memory behaviour."""
+
+    @staticmethod
+    def forward(ctx, cost: OpaqueCost, out_specs: list, n_inputs: int, *tensors):
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
+        del tmp
+        for p in params:
+            p.view(-1)          # records that the node reads its parameters
+        internal = torch.empty(cost.internal_saved_bytes, dtype=torch.uint8)
+        ctx.save_for_backward(internal, *[inputs[i] for i in cost.saved_input_positions])
+        ctx.cost, ctx.shapes = cost, [(t.shape, t.dtype) for t in tensors]
+        return tuple(torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors
+        tmp = torch.empty(ctx.cost.bwd_extra_bytes, dtype=torch.uint8)
+        del tmp
+        return (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
+                                          for s, d in ctx.shapes)
