@@ -34,6 +34,7 @@ class Analysis:
     traced: Traced
     cost_graph: CostGraph
     analyze_s: float
+    example_inputs: dict      # the graph's inputs by name, as given
 
 
 def budget_to_bytes(budget_gb) -> int:
@@ -61,14 +62,17 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     from .trace import bind_inputs
     named = {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in traced.input_names}
     cg = profile(traced.gm, named, loss_fn, rates, tuple(m for m, _ in traced.opaque))
-    return Analysis(traced, cg, time.perf_counter() - t0)
+    return Analysis(traced, cg, time.perf_counter() - t0, named)
 
 
 def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOptions(),
-               opaque: tuple = ()) -> Plan:
+               opaque: tuple = (), measure=None) -> Plan:
     """Least-recompute Plan whose predicted peak is at most `budget_bytes`.
 
-    Raises InfeasibleBudgetError (with the smallest feasible budget) when none is.
+    `measure(regions) -> bytes`, when given, replays a plan exactly (runtime.verify's fake-tensor
+    dry run); the predicted peak is then the larger of the simulated and the measured one, and a
+    plan measured over budget is re-solved against a tighter budget. Raises InfeasibleBudgetError
+    (with the smallest feasible budget) when no plan fits.
     """
     margin = 1.0 + options.safety_margin
     predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * margin)  # noqa: E731
@@ -88,33 +92,51 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     if options.find_min_feasible:
         known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
     peaks = {name: predict(r) for name, r in known.items() if r}
-    fitting = sorted((timeline(cg, known[k]).recompute_s, k) for k, p in peaks.items() if p <= budget_bytes)
     min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
+    effective = budget_bytes
+    for _ in range(4):
+        try:
+            regions, solver, status, gap = _choose(cg, effective, options, cands, known, peaks, predict)
+        except InfeasibleBudgetError as e:
+            shortfall = budget_bytes - effective       # what the exact replay showed the model misses
+            raise InfeasibleBudgetError(budget_bytes, e.min_feasible_bytes + shortfall) from None
+        predicted = predict(regions)
+        if measure is not None:
+            predicted = max(predicted, math.ceil(measure(regions) * margin))
+        if predicted <= budget_bytes:
+            break
+        effective -= predicted - budget_bytes
+    else:
+        raise InfeasibleBudgetError(budget_bytes, max(predicted, min_feasible or 0))
+    if min_feasible is not None:
+        min_feasible += budget_bytes - effective
+    tl = timeline(cg, regions)
+    return _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
+                            min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
+                            solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
+                            recompute_s=tl.recompute_s, **base))
+
+
+def _choose(cg, budget_bytes, options, cands, known, peaks, predict):
+    """The cheapest plan whose simulated peak fits: the ILP's, or a known plan if it is cheaper."""
+    fitting = sorted((timeline(cg, known[k]).recompute_s, k) for k, p in peaks.items() if p <= budget_bytes)
     if options.find_min_feasible and not fitting:
-        raise InfeasibleBudgetError(budget_bytes, min_feasible)
+        raise InfeasibleBudgetError(budget_bytes, min(peaks.values()))
     warm = known[fitting[0][1]] if fitting else ()
-    target = int(budget_bytes / margin)
+    target = int(budget_bytes / (1.0 + options.safety_margin))
     for _ in range(4):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
         sol = solve_ilp(cg, target, options.solve, warm_start=warm, cands=cands)
         if sol is None or predict(sol.regions) <= budget_bytes:
             break
         target -= predict(sol.regions) - budget_bytes
     ilp_ok = sol is not None and predict(sol.regions) <= budget_bytes
-    if fitting and (not ilp_ok or timeline(cg, known[fitting[0][1]]).recompute_s < timeline(cg, sol.regions).recompute_s):
+    if fitting and (not ilp_ok or fitting[0][0] < timeline(cg, sol.regions).recompute_s):
         name = fitting[0][1]
-        regions, solver, status, gap = known[name], name, "cheaper than the ILP's best within its time limit", float("nan")
-    elif ilp_ok:
-        regions, solver, status, gap = sol.regions, "ilp", sol.status, sol.gap
-    else:
-        if min_feasible is None:
-            floor = solve_min_peak(cg, options.solve, cands).regions
-            min_feasible = min([predict(floor)] + list(peaks.values()))
-        raise InfeasibleBudgetError(budget_bytes, min_feasible)
-    tl = timeline(cg, regions)
-    return _finish(cg, Plan(regions=regions, predicted_peak_bytes=math.ceil(tl.peak_bytes * margin),
-                            min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
-                            solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
-                            recompute_s=tl.recompute_s, **base))
+        return known[name], name, "cheaper than the ILP's best within its time limit", float("nan")
+    if ilp_ok:
+        return sol.regions, "ilp", sol.status, sol.gap
+    floor = known.get("min-peak") or solve_min_peak(cg, options.solve, cands).regions
+    raise InfeasibleBudgetError(budget_bytes, min([predict(floor)] + list(peaks.values())))
 
 
 def _finish(cg: CostGraph, p: Plan) -> Plan:

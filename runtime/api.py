@@ -11,6 +11,20 @@ from planner.result import Plan
 from planner.trace import bind_inputs
 
 from .rewrite import adopt, rewrite
+from .verify import dry_run_peak
+
+
+def exact_replay(model: torch.nn.Module, analysis, loss_fn):
+    """measure(regions) for solve_plan: rewrite with those regions and dry-run the step."""
+    gm, inputs = analysis.traced.gm, analysis.example_inputs
+
+    def measure(regions) -> int:
+        skeleton = Plan(regions=tuple(regions), budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
+                        min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0,
+                        forward_s=0.0, solver="", status="", gap=0.0, solve_s=0.0,
+                        node_names=tuple(c.name for c in analysis.cost_graph.nodes))
+        return dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn)
+    return measure
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
@@ -61,7 +75,8 @@ class RematModule(torch.nn.Module):
         if key not in self._plans:
             model = self._model[0]
             a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
-            p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque)
+            p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque,
+                           measure=exact_replay(model, a, self._loss_fn))
             gm = rewrite(model, a.traced.gm, p)
             self._plans[key] = (p, gm)
         self._last = key

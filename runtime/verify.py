@@ -1,0 +1,35 @@
+"""Replay a rewritten model's training step on fake tensors and measure its peak exactly.
+
+The CostGraph simulator is a model of PyTorch's memory behaviour; this is the behaviour itself:
+the rewritten GraphModule runs forward, loss and backward (with its checkpoint recomputes)
+under FakeTensorMode, with the same dispatcher-level meter used for real CPU steps. Nothing
+real is allocated, so a plan for a step larger than this machine can still be checked.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from planner.storage import LiveBytes
+
+
+def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None) -> int:
+    """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs included)."""
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        named = dict(gm.named_parameters(remove_duplicate=False))
+        named.update(gm.named_buffers(remove_duplicate=False))
+        state = {k: fake.from_tensor(v) for k, v in named.items()}
+        fake_kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        baseline = list(state.values()) + [t for t in tree_flatten(fake_kwargs)[0] if isinstance(t, torch.Tensor)]
+        with _reparametrize_module(gm, state), LiveBytes(baseline=baseline) as meter:
+            out = gm(**fake_kwargs)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+            else:
+                loss = sum(t.float().exp().sum() for t in tree_flatten(out)[0]
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+            loss.backward()
+            del out, loss
+    return meter.peak_bytes
