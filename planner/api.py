@@ -111,10 +111,12 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     if min_feasible is not None:
         min_feasible += budget_bytes - effective
     tl = timeline(cg, regions)
-    return _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
+    plan = _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
                             min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
                             solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
+    replay = "replayed exactly on fake tensors" if measure else "simulated only (no exact replay)"
+    return replace(plan, notes=plan.notes + (f"predicted peak: {replay}",))
 
 
 def _choose(cg, budget_bytes, options, cands, known, peaks, predict):

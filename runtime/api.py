@@ -15,7 +15,13 @@ from .verify import dry_run_peak
 
 
 def exact_replay(model: torch.nn.Module, analysis, loss_fn):
-    """measure(regions) for solve_plan: rewrite with those regions and dry-run the step."""
+    """measure(regions) for solve_plan: rewrite with those regions and dry-run the step.
+
+    None when the graph has opaque modules: fake tensors cannot run them (that is why they are
+    opaque), so such plans rest on the simulator alone, and the Plan's notes say so.
+    """
+    if analysis.traced.opaque:
+        return None
     gm, inputs = analysis.traced.gm, analysis.example_inputs
 
     def measure(regions) -> int:
