@@ -62,4 +62,14 @@ def sqrt_segments(cg: CostGraph) -> tuple[Region, ...]:
     return _recomputable(cg, [(g[0][0], g[-1][1]) for g in groups[:-1]])
 
 
-BASELINES = {"none": no_checkpointing, "every_block": every_block, "sqrt": sqrt_segments}
+def sac_every_block(cg: CostGraph) -> tuple[Region, ...]:
+    """Every block checkpointed, keeping matmul/conv outputs and recomputing the rest (the
+    common selective-checkpointing recipe)."""
+    from .candidates import sac_keepable
+    keep = sac_keepable(cg)
+    return tuple(Region(r.start, r.end, tuple(j for j in range(r.start, r.end + 1) if keep[j]))
+                 for r in every_block(cg))
+
+
+BASELINES = {"none": no_checkpointing, "every_block": every_block, "sqrt": sqrt_segments,
+             "sac_every_block": sac_every_block}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .baselines import blocks
 from .costgraph import CostGraph
 from .result import Region
 from .simulate import region_recompute
@@ -42,11 +43,15 @@ def crossing_bytes(cg: CostGraph) -> list[int]:
     return out
 
 
-def cut_points(cg: CostGraph, max_cuts: int) -> list[int]:
-    """Positions i (a cut after node i) where regions may begin or end; -1 is the graph's start."""
+def cut_points(cg: CostGraph, max_cuts: int, n_blocks: int = 0) -> list[int]:
+    """Positions i (a cut after node i) where regions may begin or end; -1 is the graph's start.
+
+    With repeated blocks, about six cuts per block: a region can then span a block or two."""
     n = len(cg.nodes)
     cross = crossing_bytes(cg)
     cuts = list(range(n - 1))
+    if n_blocks:
+        max_cuts = min(max_cuts, 6 * n_blocks + 8)
     if len(cuts) > max_cuts:
         cuts = sorted(sorted(cuts, key=lambda i: (cross[i], i))[:max_cuts])
     return [-1] + cuts
@@ -79,6 +84,15 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
     return Candidate(region, cost, flops, tuple(work), tuple(drops), tuple(caches))
 
 
+def sac_keepable(cg: CostGraph) -> list[bool]:
+    """Nodes whose outputs SAC may keep: FLOP-heavy ones (matmul, conv) whose outputs no other
+    node writes in place (a cached tensor written later would be replayed wrong)."""
+    written_by: dict[int, set[int]] = {}
+    for s in cg.storages:
+        written_by.setdefault(s.producer, set()).update(s.mutated_by)
+    return [c.flops > 0 and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
+
+
 def _written_after_reads(cg: CostGraph):
     """written_late(a, j): node j reads a storage made before a that some node >= a writes."""
     reads: dict[int, list] = {}
@@ -97,12 +111,10 @@ def candidates(cg: CostGraph, max_cuts: int = 160, max_span: int = 14, sac: bool
     for sid, s in enumerate(cg.storages):
         by_producer[s.producer].append(sid)
     ok = [c.recomputable for c in cg.nodes]
-    # SAC may keep a node's outputs only if no other node writes them in place
-    keepable = [c.flops > 0 and all(set(cg.storages[sid].mutated_by) <= {j} for sid in by_producer[j])
-                for j, c in enumerate(cg.nodes)]
+    keepable = sac_keepable(cg)
     # a storage made before node a and written at or after a must not be an input of a region at a
     written_late = _written_after_reads(cg)
-    cuts = cut_points(cg, max_cuts)
+    cuts = cut_points(cg, max_cuts, len(blocks(cg)))
     out = []
     for i, a_cut in enumerate(cuts):
         for b_cut in cuts[i + 1:i + 1 + max_span]:

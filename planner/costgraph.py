@@ -17,7 +17,7 @@ class NodeCost:
     target: str               # what it calls (module path, function or method name)
     module: str               # qualified name of the innermost module it belongs to ("" = root)
     flops: int                # forward FLOPs (FlopCounterMode)
-    cost_s: float             # estimated forward time: roofline of flops and bytes moved
+    cost_s: float             # estimated forward time: roofline of flops and bytes moved, op overhead
     fwd_extra_bytes: int      # peak live bytes during its forward, above live bytes at its start
     bwd_extra_bytes: int      # measured backward working memory not explained by the model
     grad_bytes: int           # bytes of the gradients of its (new, differentiable) outputs
@@ -25,6 +25,7 @@ class NodeCost:
     param_grad_bytes: int     # parameter gradients that first appear in its backward
     recomputable: bool        # may be placed inside a checkpoint region
     why_not: str = ""         # reason when not recomputable
+    ops: int = 0              # aten ops it dispatches
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class CostGraph:
     fixed_bytes: int          # parameters, buffers and inputs: live the whole step
     param_bytes: int          # parameters that require grad (their grads appear in backward)
     meta: dict = field(default_factory=dict)  # provenance: model, shapes, torch version
+    region_s: float = 0.0     # estimated fixed cost of one checkpoint region
+    sac_op_s: float = 0.0     # estimated extra cost per op inside a region with a SAC policy
 
     def __post_init__(self):
         n = len(self.nodes)
@@ -66,4 +69,6 @@ class CostGraph:
             fixed_bytes=d["fixed_bytes"],
             param_bytes=d["param_bytes"],
             meta=d.get("meta", {}),
+            region_s=d.get("region_s", 0.0),
+            sac_op_s=d.get("sac_op_s", 0.0),
         )

@@ -35,15 +35,19 @@ _OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outsi
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Nominal device speed for the recompute-time estimate (a roofline of FLOPs and bytes)."""
+    """Nominal device speed for the recompute-time estimate: a roofline of FLOPs and bytes moved,
+    plus a fixed cost per dispatched op (eager PyTorch launches each op from Python)."""
     flops_per_s: float
     bytes_per_s: float
+    op_s: float
+    region_s: float = 2e-4      # one checkpoint region: its call, frame and recompute set-up
+    sac_op_s: float = 3e-5      # each op of a SAC region: the policy mode runs, forward and recompute
 
     @classmethod
     def for_device(cls, device: torch.device) -> "DeviceRates":
         if device.type == "cuda":
-            return cls(flops_per_s=2e14, bytes_per_s=3e12)
-        return cls(flops_per_s=1e11, bytes_per_s=1e10)
+            return cls(flops_per_s=2e14, bytes_per_s=3e12, op_s=1e-5)
+        return cls(flops_per_s=1.5e11, bytes_per_s=4e10, op_s=1e-5)   # fitted on 2 x86 cores
 
 
 class _ProfileMode(LiveBytes):
@@ -58,6 +62,7 @@ class _ProfileMode(LiveBytes):
         self.mutated: dict[int, set[int]] = defaultdict(set)       # storage id -> nodes writing it
         self.fixed_mutated: dict[int, set[int]] = defaultdict(set)
         self.moved: dict[int, int] = defaultdict(int)
+        self.ops: dict[int, int] = defaultdict(int)
         self.node = -1          # current node index; -1 = not recording
         self.fixed_ids: dict = {}
         super().__init__(baseline)
@@ -76,6 +81,7 @@ class _ProfileMode(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
+            self.ops[self.node] += 1
             written = {id(t) for a, t in zip(func._schema.arguments, args)
                        if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor)}
             written |= {id(kwargs[a.name]) for a in func._schema.arguments
@@ -246,7 +252,8 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             target=LOSS if is_loss else _target_name(gm, nodes[i]),
             module="" if is_loss else _module_of(nodes[i]),
             flops=int(r["flops"]),
-            cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s,
+            cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
+            ops=mode.ops[i],
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
             param_grad_bytes=param_grad[i], recomputable=not why, why_not=why,
@@ -261,6 +268,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     cg = CostGraph(
         nodes=tuple(node_costs), storages=storages,
         fixed_bytes=sum(st.nbytes() for st in {id(s): s for s in fixed_storages}.values()),
+        region_s=rates.region_s, sac_op_s=rates.sac_op_s,
         param_bytes=sum(st.nbytes() for st in {id(p.untyped_storage()): p.untyped_storage() for p in grad_params.values()}.values()),
         meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in"},
     )

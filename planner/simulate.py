@@ -23,7 +23,8 @@ Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_ext
 At top(R), the recomputation itself runs: its peak is the recomputed storages made so far, plus
 region intermediates still to be read, plus the node's fwd_extra. The step's peak is the maximum
 over both passes. Recompute cost: nodes of R up to top(R), less the saved ones (torch stops
-recomputing once the last saved tensor is back).
+recomputing once the last saved tensor is back), plus a fixed cost per region and, with a SAC
+policy, a cost per op of the region (the policy's dispatch mode runs for each).
 """
 from __future__ import annotations
 
@@ -144,4 +145,5 @@ def region_recompute(cg: CostGraph, r: Region):
     live = _cumsum(live)
     rec_peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
     todo = [j for j in range(r.start, top + 1) if j not in saved]
-    return work, top, rec_peak, sum(cg.nodes[j].flops for j in todo), sum(cg.nodes[j].cost_s for j in todo)
+    overhead = cg.region_s + (cg.sac_op_s * sum(c.ops for c in cg.nodes[r.start:r.end + 1]) if saved else 0.0)
+    return work, top, rec_peak, sum(cg.nodes[j].flops for j in todo), overhead + sum(cg.nodes[j].cost_s for j in todo)
