@@ -75,10 +75,11 @@ def test_lazy_planning_and_a_plan_per_shape():
     assert any("no loss_fn given" in n for n in first.notes)
 
 
-def test_eval_and_no_grad_run_the_original_model():
+def test_eval_and_no_grad_run_the_original_model(case):
     ex = examples.resnet()
     ref = examples.resnet().model
-    wrapped = plan_and_wrap(ex.model, 0.019, example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    wrapped = plan_and_wrap(ex.model, case("resnet").budget(0.6) / 1e9, example_inputs=ex.inputs,
+                            loss_fn=ex.loss_fn, options=FAST)
     assert wrapped.plan.regions
     wrapped.eval()
     ref.eval()
