@@ -93,30 +93,60 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
         known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
     peaks = {name: predict(r) for name, r in known.items() if r}
     min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
-    effective = budget_bytes
-    for _ in range(4):
-        try:
-            regions, solver, status, gap = _choose(cg, effective, options, cands, known, peaks, predict)
-        except InfeasibleBudgetError as e:
-            shortfall = budget_bytes - effective       # what the exact replay showed the model misses
-            raise InfeasibleBudgetError(budget_bytes, e.min_feasible_bytes + shortfall) from None
-        predicted = predict(regions)
-        if measure is not None:
-            predicted = max(predicted, math.ceil(measure(regions) * margin))
-        if predicted <= budget_bytes:
-            break
-        effective -= predicted - budget_bytes
-    else:
-        raise InfeasibleBudgetError(budget_bytes, max(predicted, min_feasible or 0))
+    regions, solver, status, gap, predicted, effective = _fit(cg, budget_bytes, options, cands, known, peaks,
+                                                              predict, measure, margin)
     if min_feasible is not None:
-        min_feasible += budget_bytes - effective
+        min_feasible = max(min_feasible, 0) + max(0, budget_bytes - effective)
     tl = timeline(cg, regions)
     plan = _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
                             min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
                             solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
-    replay = "replayed exactly on fake tensors" if measure else "simulated only (no exact replay)"
-    return replace(plan, notes=plan.notes + (f"predicted peak: {replay}",))
+    replay = "the exact replay on fake tensors" if measure else "simulated only (no exact replay)"
+    return replace(plan, notes=plan.notes + (f"predicted peak: {replay}, plus {options.safety_margin:.0%}",))
+
+
+def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margin):
+    """Solve against an effective budget, correct it by the exact replay, keep the cheapest fit.
+
+    The simulator is conservative for some plans and the replay is exact, so the effective budget
+    the ILP sees is tightened when a plan replays over budget and loosened when it lands well
+    under (a few rounds at most)."""
+    best, effective = None, budget_bytes
+    for _ in range(4):
+        try:
+            regions, solver, status, gap = _choose(cg, effective, options, cands, known, peaks, predict)
+        except InfeasibleBudgetError as e:
+            if best is not None:
+                break
+            replayed = _replay_known(known, measure, margin)
+            fits = [(predict(r), p, k) for k, (r, p) in replayed.items() if p <= budget_bytes]
+            if fits:                                   # the simulator was too cautious: take the replay
+                _, p, k = min(fits)
+                return known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective
+            floor = min([p for _, p in replayed.values()] + [e.min_feasible_bytes + max(0, budget_bytes - effective)])
+            raise InfeasibleBudgetError(budget_bytes, floor) from None
+        predicted = predict(regions) if measure is None else math.ceil(measure(regions) * margin)
+        if predicted <= budget_bytes:
+            cost = timeline(cg, regions).recompute_s
+            if best is None or cost < best[0]:
+                best = (cost, (regions, solver, status, gap, predicted, effective))
+            slack = budget_bytes - predicted
+            if measure is None or slack < 0.01 * budget_bytes:
+                break
+            effective += slack
+        else:
+            effective -= predicted - budget_bytes
+    if best is None:
+        raise InfeasibleBudgetError(budget_bytes, max(predicted, min(peaks.values(), default=predicted)))
+    return best[1]
+
+
+def _replay_known(known, measure, margin) -> dict:
+    """Exact replays of the known plans: name -> (regions, predicted bytes); {} without replay."""
+    if measure is None:
+        return {}
+    return {k: (r, math.ceil(measure(r) * margin)) for k, r in known.items() if r}
 
 
 def _choose(cg, budget_bytes, options, cands, known, peaks, predict):

@@ -117,6 +117,7 @@ class _Runner(fx.Interpreter):
         self.rec: dict[int, dict] = {}
         self.loss_i = len(self.index)
         self.hooks: list = []
+        self.out_sids: dict[int, set[int]] = {}  # node -> storages its outputs live in
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
 
@@ -142,6 +143,11 @@ class _Runner(fx.Interpreter):
         i = self.index.get(n)
         if i is None:
             return super().run_node(n)
+        # A node reads what its graph inputs live in even if it runs no op on them (an Identity
+        # passing a tensor on): a checkpoint region containing it keeps that tensor as an input.
+        for a in n.all_input_nodes:
+            for sid in self.out_sids.get(self.index.get(a, -1), ()):
+                self.mode.users[sid].add(i)
         if n.op == "call_module" and n.target in self.opaque:
             return self.measure(i, lambda: self.run_opaque(n))
         return self.measure(i, lambda: super(_Runner, self).run_node(n))
@@ -175,6 +181,7 @@ class _Runner(fx.Interpreter):
             grad_bytes=sum(t.numel() * t.element_size() for t in new if t.requires_grad),
         )
         self.hooks += [t.register_hook(self.on_grad(i)) for t in outs if t.requires_grad and i < self.loss_i]
+        self.out_sids[i] = {mode.sid[t.untyped_storage()] for t in outs if t.untyped_storage() in mode.sid}
         mode.node = -1
         return out
 
