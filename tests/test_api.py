@@ -171,3 +171,33 @@ def test_plans_gpt2_small_shape_without_allocating_it():
     assert p.unplanned_peak_bytes > 24 * 2**30
     assert p.predicted_peak_bytes <= 14e9 and p.regions
     assert elapsed < 30, f"planning took {elapsed:.1f} s"
+
+
+class KwargsAndDictOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                          for _ in range(6)])
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x, scale=None, bias=1.0):
+        h = self.body(x * scale)
+        return {"logits": self.head(h) + bias, "hidden": h}
+
+
+def test_keyword_inputs_and_dict_outputs():
+    torch.manual_seed(0)
+    model, ref = KwargsAndDictOut(), KwargsAndDictOut()
+    ref.load_state_dict(model.state_dict())
+    x, scale = torch.randn(2048, 64), torch.full((64,), 0.5)
+    loss_fn = lambda out: out["logits"].square().mean() + out["hidden"].mean()  # noqa: E731
+    full = plan(model, 10.0, example_kwargs={"x": x, "scale": scale}, loss_fn=loss_fn).unplanned_peak_bytes
+    wrapped = plan_and_wrap(model, full * 0.7 / 1e9, example_kwargs={"x": x, "scale": scale},
+                            loss_fn=loss_fn, options=FAST)
+    assert wrapped.plan.regions
+    out = wrapped(x=x, scale=scale)
+    assert set(out) == {"logits", "hidden"}
+    loss_fn(out).backward()
+    loss_fn(ref(x=x, scale=scale)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
