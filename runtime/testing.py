@@ -19,7 +19,8 @@ import torch
 from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, budget_to_bytes
 from planner.result import Plan
 
-from .cli import Loaded, measure_peak_bytes, size_text, solve_budget, split_inputs
+from .budget import size_text
+from .session import Loaded, measure_peak_bytes, solve_budget, split_inputs
 
 
 def assert_fits(model: torch.nn.Module, inputs, budget_gb: float, loss_fn: Callable | None = None,

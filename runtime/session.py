@@ -1,0 +1,201 @@
+"""A model under planning, from loading to real steps: the library code the CLI and
+`runtime.testing` build on.
+
+MODEL is a built-in example (gpt2, mlp, resnet, unet), `path/to/file.py:factory` or
+`package.module:factory`. The factory takes no arguments and returns `(model, inputs)` or
+`(model, inputs, loss_fn)`, where inputs is a tuple (positional), a dict (keyword) or one tensor.
+Here: load it (`load_model`), profile it on fake tensors and solve for a budget (`profile_model`,
+`solve_budget`), and run real training steps under a plan to measure their peak and extra time
+(`measure_peak_bytes`, `measure_extra_pct`). Errors from the user's code become one-line
+ModelErrors (`model_code`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, analyze, solve_plan
+from planner.result import Plan
+
+from . import examples
+from .budget import UsageError
+
+
+class ModelError(UsageError):
+    """The model, its factory or its training step failed: exit code 2, one line."""
+
+
+class Loaded(NamedTuple):
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: Callable | None
+    label: str
+
+
+# ----------------------------------------------------------------------------- the model
+def split_inputs(inputs) -> tuple[tuple, dict]:
+    """A factory's inputs as (args, kwargs): a dict is keyword, a tensor one positional argument."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise TypeError(f"inputs must be a tuple, a dict or a tensor, got {type(inputs).__name__}")
+
+
+def _import(where: str):
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where)
+    if not path.is_file():
+        raise UsageError(f"MODEL file {where!r} does not exist")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_model(spec: str | None) -> Loaded:
+    """The model, its inputs and loss from a MODEL spec (see the module docstring); None is gpt2."""
+    if spec is None or spec in examples.EXAMPLES:
+        name = spec or "gpt2"
+        ex = examples.EXAMPLES[name]()
+        return Loaded(ex.model, ex.inputs, {}, ex.loss_fn, f"built-in {name}")
+    if ":" not in spec:
+        raise UsageError(f"MODEL {spec!r}: use a built-in ({', '.join(examples.EXAMPLES)}), "
+                         "path/to/file.py:factory or package.module:factory")
+    where, factory_name = spec.rsplit(":", 1)
+    with model_code(f"cannot load {spec!r}"):
+        factory = getattr(_import(where), factory_name)
+    with model_code(f"factory {spec!r} raised"):
+        made = factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise ModelError(f"factory {spec!r} must return (model, inputs) or (model, inputs, loss_fn), "
+                         f"not {type(made).__name__}")
+    with model_code(f"factory {spec!r}"):
+        args, kwargs = split_inputs(made[1])
+    return Loaded(made[0], args, kwargs, made[2] if len(made) == 3 else None, spec)
+
+
+@contextmanager
+def model_code(what: str):
+    """Errors from the user's code (or from running it) become one-line ModelErrors."""
+    try:
+        yield
+    except (UsageError, InfeasibleBudgetError):
+        raise
+    except Exception as e:
+        first_line = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise ModelError(f"{what}: {type(e).__name__}: {first_line}") from e
+
+
+def profile_model(loaded: Loaded, say) -> Analysis:
+    say(f"tracing and profiling {loaded.label} on fake tensors ...")
+    with model_code(f"cannot profile {loaded.label}"):
+        analysis = analyze(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn)
+    say(f"{len(analysis.cost_graph.nodes)} nodes profiled in {analysis.analyze_s:.1f} s")
+    return analysis
+
+
+def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions) -> int:
+    return solve_plan(cg, 10**18, options).unplanned_peak_bytes
+
+
+def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions) -> Plan:
+    """The least-recompute plan for the budget, every candidate replayed exactly on fake tensors
+    (simulated only when the graph has opaque modules). Raises InfeasibleBudgetError."""
+    from .api import exact_replay
+    return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque,
+                      measure=exact_replay(loaded.model, analysis, loaded.loss_fn))
+
+
+# ----------------------------------------------------------------------------- real steps
+def _loss(out, loss_fn):
+    """The user's loss, or the planner's stand-in: one tensor of the output's size is kept."""
+    if loss_fn is not None:
+        return loss_fn(out)
+    return sum(t.float().exp().sum() for t in tree_flatten(out)[0]
+               if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
+def _device(loaded: Loaded) -> torch.device:
+    tensors = [t for t in tree_flatten((loaded.args, loaded.kwargs))[0] if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+@contextmanager
+def preserved(model: torch.nn.Module):
+    """Real steps leave no trace: gradients, buffers (BatchNorm statistics) and the CPU RNG are restored."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g
+
+
+def _forward_fn(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> Callable:
+    """The model's forward, or the plan's rewritten forward, on the example inputs."""
+    if plan is None or not plan.regions:
+        return lambda: loaded.model(*loaded.args, **loaded.kwargs)
+    from .rewrite import rewrite
+    gm = rewrite(loaded.model, analysis.traced.gm, plan)
+    return lambda: gm(**analysis.example_inputs)
+
+
+def _step_fn(loaded: Loaded, forward: Callable) -> Callable:
+    params = list(loaded.model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        _loss(forward(), loaded.loss_fn).backward()
+    return step
+
+
+def measure_peak_bytes(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> int:
+    """Peak live bytes of one real training step under the plan (None: without one)."""
+    from .measure import peak_memory
+    step = _step_fn(loaded, _forward_fn(loaded, analysis, plan))
+    with preserved(loaded.model):
+        return peak_memory(step, loaded.model, *loaded.args, *loaded.kwargs.values(), device=_device(loaded))
+
+
+def _best_times_s(fns: list[Callable], device: torch.device, repeats: int = 5) -> list[float]:
+    """Best wall time of each function, after one warm-up each; run interleaved so drift hits all alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in fns:
+        fn()
+    best_s = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best_s[k] = min(best_s[k], time.perf_counter() - t0)
+    return best_s
+
+
+def measure_extra_pct(loaded: Loaded, analysis: Analysis, plan: Plan) -> float:
+    """Real extra step time under the plan, as % of the real forward: the unit of Plan.extra_compute_pct."""
+    forward = _forward_fn(loaded, analysis, None)
+    fns = [_step_fn(loaded, forward), _step_fn(loaded, _forward_fn(loaded, analysis, plan)), forward]
+    with preserved(loaded.model):
+        base_s, planned_s, forward_s = _best_times_s(fns, _device(loaded))
+    return 100.0 * (planned_s - base_s) / forward_s
