@@ -164,7 +164,7 @@ def _choose(cg, budget_bytes, options, cands, known, peaks, predict):
     ilp_ok = sol is not None and predict(sol.regions) <= budget_bytes
     if fitting and (not ilp_ok or fitting[0][0] < timeline(cg, sol.regions).recompute_s):
         name = fitting[0][1]
-        return known[name], name, "cheaper than the ILP's best within its time limit", float("nan")
+        return known[name], name, "cheaper than the best plan the ILP found within its limits", float("nan")
     if ilp_ok:
         return sol.regions, "ilp", sol.status, sol.gap
     floor = known.get("min-peak") or solve_min_peak(cg, options.solve, cands).regions

@@ -34,7 +34,7 @@ class Plan:
     recompute_s: float                 # estimated extra time (roofline estimate)
     forward_s: float                   # estimated forward time, same estimate
     solver: str                        # "none" (fits unplanned), "ilp", or a baseline's name
-    status: str                        # solver status: "optimal", "feasible (time limit)", ...
+    status: str                        # solver status: "optimal", "feasible (node or time limit)"
     gap: float                         # relative optimality gap the solver proved
     solve_s: float
     node_names: tuple[str, ...] = ()

@@ -37,7 +37,9 @@ _US = 1e6   # the objective is in microseconds: CBC's tolerances suit numbers of
 
 @dataclass(frozen=True, kw_only=True)
 class SolveOptions:
-    time_limit_s: float = 10.0    # wall-clock limit of one CBC solve
+    time_limit_s: float = 10.0    # wall-clock limit of one CBC solve (a safety net; see max_nodes)
+    max_nodes: int = 20_000       # branch-and-bound node limit: unlike time, it stops CBC at the
+                                  # same point on every run, so plans are reproducible
     rel_gap: float = 0.02         # stop when the proven relative gap is below this
     max_cuts: int = 64            # cut positions a region may start or end at
     max_span: int = 10            # a region spans at most this many consecutive cuts
@@ -125,7 +127,7 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None):
 
 def _run(prob, opts: SolveOptions, warm: bool):
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,
-                               threads=opts.threads, warmStart=warm)
+                               threads=opts.threads, warmStart=warm, options=[f"maxNodes {opts.max_nodes}"])
     t0 = time.perf_counter()
     prob.solve(solver)
     return time.perf_counter() - t0, pulp.LpStatus[prob.status], prob.sol_status
@@ -165,7 +167,7 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     regions = _chosen(cands, x)
     if sol == pulp.LpSolutionOptimal:
         return Solution(regions, "optimal", opts.rel_gap if obj else 0.0, solve_s, obj)
-    return Solution(regions, "feasible (time limit)", _lp_gap(prob, x, obj * _US), solve_s, obj)
+    return Solution(regions, "feasible (node or time limit)", _lp_gap(prob, x, obj * _US), solve_s, obj)
 
 
 def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
@@ -179,5 +181,5 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         from .errors import SolverError
         raise SolverError(status, "while minimising the peak")
-    label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (time limit)"
+    label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     return Solution(_chosen(cands, x), label, float("nan"), solve_s, (pulp.value(cost) or 0.0) / _US)
