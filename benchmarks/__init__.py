@@ -1,0 +1,1 @@
+"""The benchmark runner (benchmarks/run.py) and its parts: models, measurement, strategies, report."""

@@ -1,0 +1,105 @@
+"""Running and measuring one training step: result check, median time, allocator peak.
+
+`allocator_peak` meters with the profiler's allocator events instead of a TorchDispatchMode, so
+it can measure torch.compile'd code (Dynamo falls back to eager under a dispatch mode).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def step(model, ex, seed=0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    loss = ex.loss_fn(model(*ex.inputs))
+    loss.backward()
+    return loss.detach()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One step of the unplanned eager model, in float32 (what every strategy must reproduce) and
+    in float64 (to tell float32 rounding from real differences, for compiled code)."""
+    loss: torch.Tensor
+    grads: list[torch.Tensor]
+    loss64: torch.Tensor
+    grads64: list[torch.Tensor]
+
+
+def _loss_and_grads(ex, dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = copy.deepcopy(ex.model).to(dtype)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in ex.inputs)
+    loss = step(model, ex._replace(model=model, inputs=inputs))
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+def reference(ex) -> Reference:
+    return Reference(*_loss_and_grads(ex, torch.float32), *_loss_and_grads(ex, torch.float64))
+
+
+def same_result(model, loss, ref: Reference) -> bool:
+    """Loss and grads equal to the eager float32 step's, up to float32 noise."""
+    return torch.allclose(loss, ref.loss) and all(
+        torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6) for p, g in zip(model.parameters(), ref.grads))
+
+
+def _error(loss, grads, ref: Reference) -> float:
+    """Largest difference to the float64 step: of the loss, and of each grad relative to its max."""
+    errs = [abs(loss.double() - ref.loss64).item() / max(abs(ref.loss64.item()), 1e-12)]
+    errs += [((g.double() - g64).abs().max() / g64.abs().max().clamp_min(1e-12)).item()
+             for g, g64 in zip(grads, ref.grads64)]
+    return max(errs)
+
+
+def as_close_as_eager(model, loss, ref: Reference) -> bool:
+    """For compiled code, which reorders float32 arithmetic: at most twice as far from the float64
+    step as the eager float32 step is (plus 1e-5)."""
+    grads = [p.grad for p in model.parameters()]
+    return _error(loss, grads, ref) <= 2 * _error(ref.loss, ref.grads, ref) + 1e-5
+
+
+def median_step_s(models: dict, ex, repeats: int) -> dict:
+    """Median step seconds of each model, timed round-robin (one step of each per round), so that
+    a change of machine load hits every model alike."""
+    for model in models.values():
+        for _ in range(2):
+            step(model, ex)
+    times: dict = {k: [] for k in models}
+    for _ in range(repeats):
+        for k, model in models.items():
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            step(model, ex)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def resident_bytes(model: torch.nn.Module, inputs) -> int:
+    """Bytes of the storages of parameters, buffers, existing grads and inputs (each storage once)."""
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(x for x in inputs if isinstance(x, torch.Tensor))]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def allocator_peak(step_fn, model: torch.nn.Module, inputs) -> int:
+    """Peak CPU allocator bytes while `step_fn()` runs, plus what is resident before it.
+
+    Each profiler memory event carries the byte delta of one allocation or free; their running
+    sum from the start of the step is what the step holds on top of the resident tensors. The
+    sum is comparable to runtime.peak_memory, which counts those resident tensors too.
+    """
+    before = resident_bytes(model, inputs)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step_fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return before + peak

@@ -1,0 +1,128 @@
+"""The results file: header (command, date, hardware, versions), tables and notes, as Markdown."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import socket
+from pathlib import Path
+
+import torch
+
+from .exact import MAX_NODES
+
+ROCKMATE = """Rockmate is not a strategy here: it does not run with torch 2.13 on CPU. Tried on this
+machine in a throwaway venv (torch 2.13.0+cpu from the project's venv), never a project dependency:
+- `pip install rockmate` installs rockmate 2.0.0 with rkgb 2.0.0 (and pins pulp==2.7.0);
+  `import rockmate` fails: `ModuleNotFoundError: No module named 'rkgb.core'` (the rkgb 2.0.0
+  package on PyPI ships only `rkgb/__init__.py` and `rkgb/rkgb.py`).
+- `pip install rockmate==1.0.1 rkgb==1.0.1` (pulls gurobipy 13.0.3, restricted license) imports,
+  but rk-GB measures time and memory only on CUDA ("measuring memory can only be done with cuda"):
+  on CPU every block's measured memory and time is 0, and `Rockmate(mlp, inputs, budget=30e6)`
+  never returned: its rotor dynamic program (`csolve_dp_functionnal`) was still running after
+  90 s (500 s in a first try), where our planner plans that model in seconds."""
+
+
+COMPILE = """torch.compile: the unplanned model compiled (Inductor, CPU) with
+`torch._functorch.config.activation_memory_budget` = x, the largest x of the grid whose measured
+peak fits the budget (else the least peak); x in parentheses. Dropout runs with Inductor's
+`fallback_random=True` so its masks equal eager's, and the result is checked as at least as close
+to a float64 eager step as float32 eager is (twice its error, plus 1e-5). Below x = 1 the
+partitioner may recompute dropout in the backward with a fresh mask, so the gradients are
+silently wrong (an open PyTorch issue, pytorch/pytorch#190758); this is why torch.compile rows
+of models with dropout (the GPT-2s) can read NO. It is not an artefact of `fallback_random`:
+see the toy check below, compiled with Inductor's default RNG."""
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu() -> str:
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def stem(quick: bool) -> str:
+    """<date>-<host>, with -quick for a --quick run (it never overwrites the full table)."""
+    return f"{datetime.date.today().isoformat()}-{socket.gethostname()}" + ("-quick" if quick else "")
+
+
+def header(argv: list[str]) -> str:
+    return "\n".join([
+        f"# Benchmark {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} on {socket.gethostname()}", "",
+        f"- command: `{' '.join(['PYTHONPATH=. python benchmarks/run.py', *argv])}`",
+        f"- hardware: {_cpu()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, CPU only;"
+        f" {platform.platform()}",
+        f"- versions: torch {torch.__version__}, python {platform.python_version()}, pulp {_version('pulp')},"
+        f" transformers {_version('transformers')}, matplotlib {_version('matplotlib')}",
+        "- budgets: fraction of the way from the smallest feasible peak to the unplanned peak",
+        "- baselines (every block, sqrt(n) segments, SAC every block) run through the same rewriter as ours",
+        "- measured peak: CPU live-tensor tracker (runtime.peak_memory); for torch.compile, allocator peak from"
+        " profiler events (see the meter check)",
+        "- step time: median over rounds that time one step of each strategy in turn (torch.compile: of it and"
+        " the eager model), as a ratio to no checkpointing",
+        "- planning s: trace + profile + solve for ours; for torch.compile, the compiles (first calls) its search"
+        " for that budget needs"])
+
+
+def main_table(rows: list[dict]) -> str:
+    out = ["| model | budget (MB) | strategy | measured peak (MB) | fits | step time vs none | recomputed GFLOP |"
+           " planning s | same loss+grads |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gflop = "n/a" if r["gflop"] is None else f"{r['gflop']:.3f}"
+        out.append(f"| {r['model']} | {r['budget'] / 1e6:.2f} ({r['fraction']:.0%}) | {r['strategy']} | "
+                   f"{r['peak'] / 1e6:.2f} | {'yes' if r['fits'] else 'no'} | {r['ratio']:.2f}x | {gflop} | "
+                   f"{r['plan_s']:.1f} | {'yes' if r['same'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def meter_table(meters: list[dict]) -> str:
+    out = ["| model (eager, unplanned) | live-tensor peak (MB) | allocator peak (MB) | difference |",
+           "|---|---|---|---|"]
+    for m in meters:
+        out.append(f"| {m['model']} | {m['live'] / 1e6:.2f} | {m['alloc'] / 1e6:.2f} | "
+                   f"{(m['alloc'] - m['live']) / m['live']:+.1%} |")
+    return "\n".join(out)
+
+
+def _gap(ours: float, exact: float, scale: float) -> str:
+    return f"{(ours - exact) * scale:+.3f}" + (f" ({(ours - exact) / exact:+.1%})" if exact else "")
+
+
+def exact_table(exacts: list[dict]) -> str:
+    out = ["| model | budget (MB) | nodes | exact ILP status | solve s | exact GFLOP | ours GFLOP | gap GFLOP |"
+           " exact est. ms | ours est. ms | gap est. ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in exacts:
+        head = (f"| {e['model']} | {e['budget'] / 1e6:.2f} ({e['fraction']:.0%}) | {e['nodes']} | {e['status']} |"
+                f" {e['solve_s']:.1f} |")
+        if "exact_s" not in e:
+            out.append(head + f" - | {e['ours_flops'] / 1e9:.3f} | - | - | {e['ours_s'] * 1e3:.2f} | - |")
+            continue
+        out.append(head + f" {e['exact_flops'] / 1e9:.3f} | {e['ours_flops'] / 1e9:.3f} | "
+                   f"{_gap(e['ours_flops'], e['exact_flops'], 1e-9)} | {e['exact_s'] * 1e3:.2f} | "
+                   f"{e['ours_s'] * 1e3:.2f} | {_gap(e['ours_s'], e['exact_s'], 1e3)} |")
+    return "\n".join(out)
+
+
+def document(argv, rows, meters, exacts, notes: list[str], plots: list[Path]) -> str:
+    parts = [header(argv), "## Strategies", main_table(rows),
+             "## Meter check: allocator events against the live-tensor tracker",
+             "The allocator also sees kernel scratch memory that never becomes a tensor (convolutions on CPU).",
+             meter_table(meters)]
+    if exacts:
+        parts += [f"## Optimality gap against the exact ILP optimum (graphs of at most {MAX_NODES} nodes)",
+                  "Every node boundary a cut, no span limit, zero gap, no node limit, 300 s limit; recompute of"
+                  " both plans simulated with planner.simulate.timeline. The ILP's memory model bounds the simulator's"
+                  " from above, so a known plan the simulator admits can beat the ILP optimum (negative gap).",
+                  exact_table(exacts)]
+    parts += ["## Notes", COMPILE, "\n".join(f"- {n}" for n in notes), ROCKMATE]
+    if plots:
+        parts += ["## Pareto plots", "\n".join(f"![{p.stem}]({p.name})" for p in plots)]
+    return "\n\n".join(p for p in parts if p) + "\n"
