@@ -85,20 +85,28 @@ def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     return loaded, analysis, budget_bytes
 
 
-def _does_not_fit(a, e: InfeasibleBudgetError, label: str) -> int:
+def _does_not_fit(a, e: InfeasibleBudgetError, label: str) -> None:
     print(_json({"fits": False, "model": label, "budget_bytes": e.budget_bytes,
                  "min_feasible_bytes": e.min_feasible_bytes, "reason": str(e)})
           if a.json else f"FAIL: does not fit: {e}")
-    return 1
 
 
-def cmd_report(a, say) -> int:
+def _solve(a, say):
+    """(loaded, analysis, plan), or None after saying why the budget does not fit."""
     loaded, analysis, budget_bytes = _prepare(a, say)
     try:
         with model_code(f"cannot plan {loaded.label}"):
-            plan = solve_budget(loaded, analysis, budget_bytes, _options(a))
+            return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a))
     except InfeasibleBudgetError as e:
-        return _does_not_fit(a, e, loaded.label)
+        _does_not_fit(a, e, loaded.label)
+        return None
+
+
+def cmd_report(a, say) -> int:
+    solved = _solve(a, say)
+    if solved is None:
+        return 1
+    loaded, analysis, plan = solved
     segs = segments(analysis.cost_graph, plan, _options(a))
     if a.json:
         print(_json({"fits": True, "model": loaded.label, "plan": asdict(plan),
@@ -121,12 +129,10 @@ def _check_verdict(plan: Plan, cap_pct: float | None, measured_bytes: int | None
 
 def cmd_check(a, say) -> int:
     cap_pct = parse_percent(a.max_overhead, "--max-overhead") if a.max_overhead is not None else None
-    loaded, analysis, budget_bytes = _prepare(a, say)
-    try:
-        with model_code(f"cannot plan {loaded.label}"):
-            plan = solve_budget(loaded, analysis, budget_bytes, _options(a))
-    except InfeasibleBudgetError as e:
-        return _does_not_fit(a, e, loaded.label)
+    solved = _solve(a, say)
+    if solved is None:
+        return 1
+    loaded, analysis, plan = solved
     measured_bytes = None
     if a.measure:
         say("running one real training step to measure its peak ...")
