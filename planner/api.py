@@ -13,10 +13,10 @@ from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
 from .profile import DeviceRates, profile
-from .result import Plan, Region
+from .result import Plan
 from .simulate import timeline
 from .solve import SolveOptions, solve_ilp, solve_min_peak
-from .trace import Traced, trace
+from .trace import Traced, bind_inputs, trace
 
 GB = 10**9
 
@@ -59,7 +59,6 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
     t0 = time.perf_counter()
     traced = trace(model, args, kwargs)
-    from .trace import bind_inputs
     named = {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in traced.input_names}
     cg = profile(traced.gm, named, loss_fn, rates, tuple(m for m, _ in traced.opaque))
     return Analysis(traced, cg, time.perf_counter() - t0, named)
@@ -70,9 +69,9 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     """Least-recompute Plan whose predicted peak is at most `budget_bytes`.
 
     `measure(regions) -> bytes`, when given, replays a plan exactly (runtime.verify's fake-tensor
-    dry run); the predicted peak is then the larger of the simulated and the measured one, and a
-    plan measured over budget is re-solved against a tighter budget. Raises InfeasibleBudgetError
-    (with the smallest feasible budget) when no plan fits.
+    dry run); the replay is then the prediction, and the budget the ILP sees is corrected by it
+    (see `_fit`). Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with
+    the smallest feasible budget) when no plan fits.
     """
     margin = 1.0 + options.safety_margin
     predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * margin)  # noqa: E731
@@ -96,7 +95,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     regions, solver, status, gap, predicted, effective = _fit(cg, budget_bytes, options, cands, known, peaks,
                                                               predict, measure, margin)
     if min_feasible is not None:
-        min_feasible = max(min_feasible, 0) + max(0, budget_bytes - effective)
+        min_feasible += max(0, budget_bytes - effective)
     tl = timeline(cg, regions)
     plan = _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
                             min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,

@@ -62,10 +62,18 @@ def sqrt_segments(cg: CostGraph) -> tuple[Region, ...]:
     return _recomputable(cg, [(g[0][0], g[-1][1]) for g in groups[:-1]])
 
 
+def sac_keepable(cg: CostGraph) -> list[bool]:
+    """Nodes whose outputs SAC may keep: FLOP-heavy ones (matmul, conv) whose outputs no other
+    node writes in place (a cached tensor written later would be replayed wrong)."""
+    written_by: dict[int, set[int]] = {}
+    for s in cg.storages:
+        written_by.setdefault(s.producer, set()).update(s.mutated_by)
+    return [c.flops > 0 and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
+
+
 def sac_every_block(cg: CostGraph) -> tuple[Region, ...]:
     """Every block checkpointed, keeping matmul/conv outputs and recomputing the rest (the
     common selective-checkpointing recipe)."""
-    from .candidates import sac_keepable
     keep = sac_keepable(cg)
     return tuple(Region(r.start, r.end, tuple(j for j in range(r.start, r.end + 1) if keep[j]))
                  for r in every_block(cg))

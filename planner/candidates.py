@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .baselines import blocks
+from .baselines import blocks, sac_keepable
 from .costgraph import CostGraph
 from .result import Region
 from .simulate import region_recompute
@@ -82,15 +82,6 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
     if not drops:
         return None
     return Candidate(region, cost, flops, tuple(work), tuple(drops), tuple(caches))
-
-
-def sac_keepable(cg: CostGraph) -> list[bool]:
-    """Nodes whose outputs SAC may keep: FLOP-heavy ones (matmul, conv) whose outputs no other
-    node writes in place (a cached tensor written later would be replayed wrong)."""
-    written_by: dict[int, set[int]] = {}
-    for s in cg.storages:
-        written_by.setdefault(s.producer, set()).update(s.mutated_by)
-    return [c.flops > 0 and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
 
 
 def _written_after_reads(cg: CostGraph):

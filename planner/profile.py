@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import StandIn, TensorSpec, measure_opaque
+from .simulate import timeline
 from .storage import LiveBytes
 from .trace import placeholder_values
 
@@ -210,7 +211,6 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
     for backward (as cross-entropy keeps its log-softmax), so the plan leaves room for a loss.
     """
-    from .simulate import timeline  # the calibration below replays the unplanned step
 
     rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
     nodes = compute_nodes(gm)

@@ -20,7 +20,6 @@ B becomes a variable and is minimised first.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -28,8 +27,8 @@ import pulp
 
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
+from .errors import SolverError
 from .result import Region
-from .simulate import timeline
 
 
 _US = 1e6   # the objective is in microseconds: CBC's tolerances suit numbers of that size
@@ -179,7 +178,6 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     prob += B + 1e-3 * cost / total        # the least peak first; recompute only breaks ties
     solve_s, status, sol = _run(prob, opts, False)
     if sol not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        from .errors import SolverError
         raise SolverError(status, "while minimising the peak")
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     return Solution(_chosen(cands, x), label, float("nan"), solve_s, (pulp.value(cost) or 0.0) / _US)

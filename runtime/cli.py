@@ -25,6 +25,7 @@ from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, Sol
 from planner.result import Plan
 from planner.simulate import timeline
 
+from . import plots
 from .budget import UsageError, parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
 from .report import report_text, segments, table
 from .session import (Loaded, load_model, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
@@ -189,7 +190,6 @@ def _sweep_budgets(a, unplanned_bytes: int) -> list[int]:
 
 def _sweep_plots(a, cg: CostGraph, points: list[SweepPoint], unplanned_bytes: int, label: str) -> dict:
     """tradeoff.png over all fitting points; memory.png at the tightest budget that fits."""
-    from . import plots
     fitting = [pt for pt in points if pt.plan is not None]
     out = Path(a.out)
     tradeoff = plots.tradeoff_png(
@@ -213,7 +213,6 @@ def _min_feasible(points: list[SweepPoint]) -> int | None:
 
 def _require_plots(out: str) -> None:
     """Fail now, not after the long work, if matplotlib is missing or `out` is not writable."""
-    from . import plots
     try:
         plots.pyplot()
     except plots.PlotUnavailable as e:

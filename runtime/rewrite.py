@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from planner.profile import compute_nodes
-from planner.result import Plan, Region
+from planner.result import Plan
 
 _SAVE = threading.local()
 

@@ -26,7 +26,10 @@ from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, ana
 from planner.result import Plan
 
 from . import examples
+from .api import exact_replay
 from .budget import UsageError
+from .measure import peak_memory
+from .rewrite import rewrite
 
 
 class ModelError(UsageError):
@@ -114,7 +117,6 @@ def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions) -> int:
 def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions) -> Plan:
     """The least-recompute plan for the budget, every candidate replayed exactly on fake tensors
     (simulated only when the graph has opaque modules). Raises InfeasibleBudgetError."""
-    from .api import exact_replay
     return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque,
                       measure=exact_replay(loaded.model, analysis, loaded.loss_fn))
 
@@ -153,7 +155,6 @@ def _forward_fn(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> Callab
     """The model's forward, or the plan's rewritten forward, on the example inputs."""
     if plan is None or not plan.regions:
         return lambda: loaded.model(*loaded.args, **loaded.kwargs)
-    from .rewrite import rewrite
     gm = rewrite(loaded.model, analysis.traced.gm, plan)
     return lambda: gm(**analysis.example_inputs)
 
@@ -170,7 +171,6 @@ def _step_fn(loaded: Loaded, forward: Callable) -> Callable:
 
 def measure_peak_bytes(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> int:
     """Peak live bytes of one real training step under the plan (None: without one)."""
-    from .measure import peak_memory
     step = _step_fn(loaded, _forward_fn(loaded, analysis, plan))
     with preserved(loaded.model):
         return peak_memory(step, loaded.model, *loaded.args, *loaded.kwargs.values(), device=_device(loaded))

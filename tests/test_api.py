@@ -1,5 +1,4 @@
 """The user-facing contract: errors, lazy and per-shape planning, state, eval/no_grad, opaque modules."""
-import math
 import time
 
 import pytest
