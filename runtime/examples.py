@@ -21,6 +21,7 @@ class Example(NamedTuple):
     model: nn.Module
     inputs: tuple  # positional example inputs
     loss_fn: Callable  # loss_fn(model_output) -> scalar tensor (closes over targets)
+    kwargs: dict | None = None  # keyword example inputs (Hugging Face style), if any
 
 
 @contextmanager

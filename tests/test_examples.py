@@ -23,7 +23,7 @@ def test_registry():
 
 
 def test_trace_matches_eager(example):
-    model, inputs, loss_fn = example
+    model, inputs, loss_fn, _ = example
     assert model.training
     traced = torch.fx.symbolic_trace(model)
     with torch.no_grad():
@@ -33,7 +33,7 @@ def test_trace_matches_eager(example):
 
 
 def test_loss_and_backward(example):
-    model, inputs, loss_fn = example
+    model, inputs, loss_fn, _ = example
     model.zero_grad(set_to_none=True)
     loss = loss_fn(_run(model, inputs))
     assert loss.dim() == 0 and torch.isfinite(loss)
