@@ -16,7 +16,7 @@ from .profile import DeviceRates, profile
 from .result import Plan
 from .simulate import timeline
 from .solve import SolveOptions, solve_ilp, solve_min_peak
-from .trace import Traced, bind_inputs, trace
+from .trace import Traced, capture
 
 GB = 10**9
 
@@ -58,9 +58,11 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
     t0 = time.perf_counter()
-    traced = trace(model, args, kwargs)
-    named = {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in traced.input_names}
+    traced = capture(model, args, kwargs)
+    named = traced.inputs(model, args, kwargs)
     cg = profile(traced.gm, named, loss_fn, rates, tuple(m for m, _ in traced.opaque))
+    cg = replace(cg, meta={**cg.meta, "trace_path": traced.path,
+                           "trace_attempts": [list(a) for a in traced.attempts]})
     return Analysis(traced, cg, time.perf_counter() - t0, named)
 
 

@@ -47,6 +47,11 @@ class Plan:
         return [list(self.node_names[r.start:r.end + 1]) for r in self.regions]
 
     @property
+    def trace_path(self) -> str:
+        """How the graph was captured: "fx", "fx with opaque leaves", "torch.export", "module tree"."""
+        return self.meta.get("trace_path", "fx")
+
+    @property
     def extra_compute_pct(self) -> float:
         return 100.0 * self.recompute_s / self.forward_s if self.forward_s else 0.0
 
@@ -71,6 +76,8 @@ class Plan:
             f"recompute {self.recompute_flops / 1e9:.2f} GFLOP of {self.total_flops / 1e9:.2f} GFLOP forward;"
             f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward",
             f"solver {self.solver}: {self.status}, gap {self.gap:.1%}, {self.solve_s:.2f} s",
+            f"graph: {self.trace_path}" + "".join(f"; {p} not taken ({why})"
+                                                  for p, why in self.meta.get("trace_attempts", ())),
         ]
         if not self.regions:
             lines.append("no checkpoint regions: the step fits the budget as it is")

@@ -1,53 +1,112 @@
-"""Capture a model as a torch.fx GraphModule, making untraceable submodules opaque leaves.
+"""Capture a model as a torch.fx GraphModule: fx with opaque leaves, else torch.export.
 
-`symbolic_trace` stops at the first thing it cannot follow (data-dependent control flow,
-unsupported Python). We retrace with the innermost module that was being traced at that moment
-turned into a leaf node, and repeat: every model whose top-level forward is traceable is thus
-plannable, at worst at the granularity of its failing submodules. Each opaque module is recorded
-with the tracer's own error.
+`capture` tries, in order:
+1. `symbolic_trace`. It stops at the first thing it cannot follow (data-dependent control flow,
+   unsupported Python); we retrace with the innermost module being traced at that moment turned
+   into a leaf node, and repeat. Each opaque module is recorded with the tracer's own error.
+2. `torch.export` (non-strict) when fx needed opaque leaves or failed at the top: it follows
+   Python by running it, so it sees through what fx cannot (Hugging Face models), at the aten
+   level. Data-dependent control flow makes it fail loudly rather than specialise.
+Whichever graph is taken, `Traced.attempts` says what the others did. When neither captures
+the model, planner.api falls back to planning over the module tree (planner.modules).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from dataclasses import dataclass
+import io
+import logging
+import random
+import sys
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
 
 from .errors import TraceError
+
+OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
 
 
 @dataclass(frozen=True)
 class Traced:
     gm: fx.GraphModule
-    input_names: tuple[str, ...]            # forward parameters that are graph inputs (by name)
+    input_names: tuple[str, ...]            # the graph's placeholders that take inputs (by name)
     opaque: tuple[tuple[str, str], ...]     # (module qualified name, tracer error) per opaque leaf
+    path: str = "fx"                        # "fx", "fx with opaque leaves" or "torch.export"
+    in_spec: pytree.TreeSpec | None = None  # torch.export: how (args, kwargs) flatten onto inputs
+    attempts: tuple[tuple[str, str], ...] = ()  # (path, why it was not taken) for the paths tried
+
+    def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+        """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
+        if self.in_spec is None:
+            return {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in self.input_names}
+        flat = fx_pytree.tree_flatten_spec(as_keywords(model, args, kwargs), self.in_spec)
+        return dict(zip(self.input_names, flat))
+
+
+class Unflatten(torch.nn.Module):
+    """Rebuilds an exported graph's structured output (tuple, dict, ModelOutput) from its leaves."""
+
+    def __init__(self, spec: pytree.TreeSpec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, *leaves):
+        return pytree.tree_unflatten(list(leaves), self.spec)
+
+
+class FrozenRandomness(RuntimeError):
+    """Tracing drew random numbers: the graph would replay that one draw on every step."""
+
+
+def _rng_state() -> tuple:
+    """Every global RNG a forward may draw from while being traced."""
+    state = [torch.random.get_rng_state(), random.getstate()]
+    if "numpy" in sys.modules:
+        state.append(repr(sys.modules["numpy"].random.get_state()))
+    return tuple(state)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
 class _LeafTracer(fx.Tracer):
-    """fx.Tracer that treats `extra_leaves` as leaves and remembers the module stack."""
+    """fx.Tracer that treats `extra_leaves` as leaves and remembers where tracing went wrong.
+
+    torch.nn's own modules are leaves only when they have no children (Linear, LSTM, ...):
+    composites (nn.Transformer, its layers) are traced through, so that they can be planned.
+    A module whose tracing draws random numbers (`if torch.rand(()) < p: skip`, `random.random()`
+    in forward) fails like an untraceable one: fx would freeze the draw into the graph.
+    """
 
     def __init__(self, extra_leaves: frozenset[str]):
         super().__init__()
         self.extra_leaves = extra_leaves
-        self.stack: list[str] = []
         self.failed_in: str | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return qualname in self.extra_leaves or super().is_leaf_module(m, qualname)
+        if qualname in self.extra_leaves:
+            return True
+        return super().is_leaf_module(m, qualname) and next(m.children(), None) is None
 
     def call_module(self, m, forward, args, kwargs):
         qualname = self.path_of_module(m)
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
-        self.stack.append(qualname)
+        before = _rng_state()
         try:
             out = super().call_module(m, forward, args, kwargs)
+            if not _same(before, _rng_state()):
+                raise FrozenRandomness(f"{type(m).__name__}.forward draws random numbers in Python while "
+                                       "traced (e.g. torch.rand(()) < p deciding a branch); a trace would freeze them")
         except Exception:
             if self.failed_in is None:
                 self.failed_in = qualname
             raise
-        self.stack.pop()
         return out
 
 
@@ -59,6 +118,84 @@ def bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     except TypeError as e:
         raise TypeError(f"example inputs do not match {type(model).__name__}.forward{sig}: {e}") from e
     return dict(bound.arguments)
+
+
+def as_keywords(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call as keywords where the signature allows, so that its flattening does not depend
+    on whether an input was passed by position or by name."""
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return tuple(args), dict(kwargs)
+    bound = bind_inputs(model, args, kwargs)
+    var_kw = [p.name for p in params if p.kind == p.VAR_KEYWORD]
+    extra = bound.pop(var_kw[0], {}) if var_kw else {}
+    return (), {**bound, **extra}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A failed export logs warnings and prints its partial graph to stderr; its exception,
+    which we keep, says enough."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
+    """torch.export (non-strict) of `model(*args, **kwargs)` as a Traced graph.
+
+    The graph's placeholders are the flattened inputs (by name) and its output is rebuilt into
+    the model's own structure by an `Unflatten` module, so the graph is called like fx's. Its
+    parameters and buffers are the model's own objects.
+    """
+    a, kw = as_keywords(model, args, kwargs)
+    before = _rng_state()
+    with _quiet():
+        ep = torch.export.export(model, a, kw, strict=False)
+    if not _same(before, _rng_state()):   # torch ops are traced; Python's random and numpy are not
+        raise FrozenRandomness("forward draws Python (random/numpy) random numbers; an export would freeze them")
+    gm = ep.module()
+    info = gm.graph._codegen.pytree_info
+    gm._forward_pre_hooks.clear()          # export's input-spec check: we flatten by our own spec
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.add_module(OUTPUT, Unflatten(info.out_spec))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        structured = gm.graph.call_module(OUTPUT, tuple(out.args[0]))
+    out.args = (structured,)
+    gm.recompile()
+    names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
+    return Traced(gm, names, (), "torch.export", info.in_spec)
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
+    """The best graph of `model(*args, **kwargs)`: fx if it needs no opaque leaves, else
+    torch.export if it succeeds, else fx with opaque leaves. Raises TraceError if none works."""
+    attempts: list[tuple[str, str]] = []
+    try:
+        traced = trace(model, args, kwargs)
+        if not traced.opaque:
+            return traced
+        attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
+    except TraceError as e:
+        traced = None
+        attempts.append(("fx", str(e)))
+    try:
+        return replace(export(model, args, kwargs), attempts=tuple(attempts))
+    except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
+        attempts.append(("torch.export", _first_line(e)))
+    if traced is not None:
+        return replace(traced, attempts=tuple(attempts))
+    raise TraceError(f"{type(model).__name__}.forward",
+                     "; ".join(f"{p}: {why}" for p, why in attempts))
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 64) -> Traced:
@@ -79,16 +216,22 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     while True:
         tracer = _LeafTracer(frozenset(opaque))
         try:
+            before = _rng_state()
             graph = tracer.trace(model, concrete_args=concrete or None)
+            if not _same(before, _rng_state()):
+                raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
+                                       "while traced; a trace would freeze them")
             break
         except Exception as e:  # fx raises many types; we classify by where, not by message
             where = tracer.failed_in
             if not where or where in opaque or len(opaque) >= max_opaque:
                 raise TraceError(where or f"{type(model).__name__}.forward", f"{type(e).__name__}: {e}") from e
-            opaque[where] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            opaque[where] = _first_line(e)
+    # a module inside an opaque one is opaque with it: name only the outermost
+    opaque = {m: why for m, why in opaque.items() if not any(m.startswith(o + ".") for o in opaque)}
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target in bound)
-    return Traced(gm, names, tuple(sorted(opaque.items())))
+    return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx")
 
 
 def placeholder_values(gm: fx.GraphModule, named: dict) -> list:

@@ -7,9 +7,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from planner import PlanOptions, analyze, budget_to_bytes, solve_plan
+from planner.errors import TraceError
 from planner.result import Plan
-from planner.trace import bind_inputs
 
+from .modules import checkpointing, plan_modules
 from .rewrite import adopt, rewrite
 from .verify import dry_run_peak
 
@@ -34,15 +35,20 @@ def exact_replay(model: torch.nn.Module, analysis, loss_fn):
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
-    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values."""
+    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values;
+    the autocast state (it changes activation dtypes, hence sizes)."""
     leaves, spec = tree_flatten((args, kwargs))
-    key = [str(spec)]
+    key = [str(spec), _autocast_state()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             key.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         else:
             key.append(repr(x))
     return tuple(key)
+
+
+def _autocast_state() -> tuple:
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 class RematModule(torch.nn.Module):
@@ -62,7 +68,7 @@ class RematModule(torch.nn.Module):
         self.train(model.training)
         self._model = (model,)                 # tuples keep these out of the module tree
         self._budget_bytes, self._loss_fn, self._options = budget_bytes, loss_fn, options
-        self._plans: dict[tuple, tuple[Plan, torch.nn.Module]] = {}
+        self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
 
     @property
@@ -80,11 +86,15 @@ class RematModule(torch.nn.Module):
         key = _shape_key(args, kwargs)
         if key not in self._plans:
             model = self._model[0]
-            a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
-            p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque,
-                           measure=exact_replay(model, a, self._loss_fn))
-            gm = rewrite(model, a.traced.gm, p)
-            self._plans[key] = (p, gm)
+            try:
+                a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
+            except TraceError as e:             # no graph at all: plan over the module tree
+                p = plan_modules(model, args, kwargs, self._loss_fn, self._budget_bytes, self._options, e.cause)
+                self._plans[key] = (p, None, None)
+            else:
+                p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque,
+                               measure=exact_replay(model, a, self._loss_fn))
+                self._plans[key] = (p, rewrite(model, a.traced.gm, p), a.traced)
         self._last = key
         return self._plans[key][0]
 
@@ -93,11 +103,13 @@ class RematModule(torch.nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return model(*args, **kwargs)
         self.plan_for(*args, **kwargs)
-        gm = self._plans[self._last][1]
+        p, gm, traced = self._plans[self._last]
+        if gm is None:
+            with checkpointing(model, [p.node_names[r.start] for r in p.regions]):
+                return model(*args, **kwargs)
         if gm.training != self.training:
             gm.train(self.training)
-        named = bind_inputs(model, args, kwargs)
-        return gm(**{k: v for k, v in named.items()})
+        return gm(**traced.inputs(model, args, kwargs))
 
 
 def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, example_kwargs=None,

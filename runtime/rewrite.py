@@ -46,14 +46,16 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 class _RestoreBuffers:
-    """Recompute context: module buffers (BatchNorm running stats) end as they began, so a
-    recomputed region does not update them a second time."""
+    """Recompute context: buffers (BatchNorm running stats) end as they began, so a recomputed
+    region does not update them a second time. Buffers are those of the region's modules and
+    those it reads as inputs (graph attributes, as torch.export graphs read them)."""
 
-    def __init__(self, modules: list[torch.nn.Module]):
-        self.modules = modules
+    def __init__(self, modules: list[torch.nn.Module], tensors: list[torch.Tensor]):
+        self.modules, self.tensors = modules, tensors
 
     def __enter__(self):
-        self.buffers = [b for m in self.modules for b in m.buffers()]   # looked up now: .to() replaces them
+        # looked up now: .to() replaces module buffers
+        self.buffers = [b for m in self.modules for b in m.buffers()] + self.tensors
         self.saved = [b.detach().clone() for b in self.buffers]
 
     def __exit__(self, *exc):
@@ -65,8 +67,8 @@ class _RestoreBuffers:
 
 
 @contextlib.contextmanager
-def _restoring(recompute_ctx, modules: list[torch.nn.Module]):
-    with _RestoreBuffers(modules), recompute_ctx:
+def _restoring(recompute_ctx, modules: list[torch.nn.Module], tensors: list[torch.Tensor]):
+    with _RestoreBuffers(modules, tensors), recompute_ctx:
         yield
 
 
@@ -91,27 +93,37 @@ class CheckpointRegion(torch.nn.Module):
     """
 
     def __init__(self, graph_module: fx.GraphModule, node_names: list[str], saved: list[str],
-                 stateful: list[torch.nn.Module]):
+                 stateful: list[torch.nn.Module], buffer_args: tuple[int, ...] = ()):
         super().__init__()
         self._gm = (graph_module,)        # a tuple: not a registered submodule
         self.node_names, self.saved = node_names, saved
         self._stateful = tuple(stateful)  # modules whose buffers a recompute must not change
+        self._buffer_args = buffer_args   # positions of inputs that are buffers (likewise)
 
     def extra_repr(self) -> str:
         return f"{self.node_names[0]}..{self.node_names[-1]} ({len(self.node_names)} nodes), saves {self.saved}"
 
-    def _contexts(self):
+    def _contexts(self, args: tuple):
         fwd, rec = ((create_selective_checkpoint_contexts(_policy, allow_cache_entry_mutation=True)) if self.saved
                     else (contextlib.nullcontext(), contextlib.nullcontext()))
-        if self._stateful:
-            rec = _restoring(rec, list(self._stateful))
+        if self._stateful or self._buffer_args:
+            rec = _restoring(rec, list(self._stateful), [args[i] for i in self._buffer_args])
         return _scoped(fwd), _scoped(rec)
 
     def forward(self, *args):
         gm = self._gm[0]
         if not (self.training and torch.is_grad_enabled()):
             return gm(*args)
-        return checkpoint(gm, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts)
+        # Buffers reach the sub-graph by closure, not as checkpoint inputs: checkpoint saves its
+        # inputs, and a buffer updated in place inside the region would fail autograd's check.
+        buffers = {i: args[i] for i in self._buffer_args}
+        rest = [a for i, a in enumerate(args) if i not in buffers]
+
+        def run(*rest_args):
+            it = iter(rest_args)
+            return gm(*(buffers[i] if i in buffers else next(it) for i in range(len(args))))
+        return checkpoint(run, *rest, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=functools.partial(self._contexts, args))
 
 
 def _region_graph(nodes: list[fx.Node], saved: set[str]) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
@@ -122,12 +134,9 @@ def _region_graph(nodes: list[fx.Node], saved: set[str]) -> tuple[fx.Graph, list
     env: dict[fx.Node, fx.Node] = {}
 
     def arg(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op == "get_attr":
-                env[a] = g.get_attr(a.target)
-            else:
-                inputs.append(a)
-                env[a] = g.placeholder(a.name)
+        if a not in env:        # attributes too: read by the caller, so they follow the model's
+            inputs.append(a)    # current parameters (load_state_dict(assign=True), a fake replay)
+            env[a] = g.placeholder(a.name)
         return env[a]
 
     for n in nodes:
@@ -174,13 +183,21 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
             sub, inputs, outputs = _region_graph(body, saved)
             sub_gm = fx.GraphModule(gm, sub, f"Region{k}")
             name = f"remat_region_{k}"
-            regions[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved), _stateful_modules(gm, body))
+            buffers = {id(b) for b in gm.buffers()}
+            buffer_args = tuple(j for j, a in enumerate(inputs) if a.op == "get_attr"
+                                and id(functools.reduce(getattr, a.target.split("."), gm)) in buffers)
+            regions[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved),
+                                             _stateful_modules(gm, body), buffer_args)
+            for a in inputs:
+                if a.op == "get_attr" and a not in env:
+                    env[a] = graph.get_attr(a.target)
             call = graph.call_module(name, tuple(env[a] for a in inputs))
             for j, o in enumerate(outputs):
                 env[o] = graph.call_function(operator.getitem, (call, j))
             skip_until = r.end
             continue
-        env[n] = graph.node_copy(n, lambda a: env[a])
+        if n not in env:
+            env[n] = graph.node_copy(n, lambda a: env[a])
     graph.lint()
     root: dict = dict(regions)
     for n in graph.nodes:
@@ -190,6 +207,9 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
     adopt(out, model)
     for name, mod in regions.items():
         out.add_module(name, mod)
+    for name, mod in gm.named_children():      # graph-only modules (torch.export's output Unflatten)
+        if not hasattr(out, name):
+            out.add_module(name, mod)
     out.train(model.training)
     _check(out, plan)
     return out

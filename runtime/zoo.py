@@ -47,7 +47,7 @@ def _hf_loss(out) -> torch.Tensor:
     return out.loss
 
 
-def hf_gpt2(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, dropout=0.1, attn="sdpa", seed=0):
+def hf_gpt2(*, n_layer=4, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, dropout=0.1, attn="sdpa", seed=0):
     """GPT2LMHeadModel (lm_head tied to wte); kwargs input_ids, attention_mask, labels."""
     with _seeded(seed):
         model = _hf_model(
@@ -104,7 +104,7 @@ def hf_t5(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, 
     return Example(model, (), _hf_loss, dict(input_ids=ids, attention_mask=mask, labels=labels))
 
 
-def hf_vit(*, n_layer=2, d_model=128, n_head=4, image=32, patch=8, n_classes=10, batch=8, dropout=0.1,
+def hf_vit(*, n_layer=4, d_model=128, n_head=4, image=32, patch=8, n_classes=10, batch=8, dropout=0.1,
            attn="sdpa", seed=0):
     """ViTForImageClassification on 32x32 images with 8x8 patches; kwargs pixel_values, labels."""
     with _seeded(seed):
@@ -118,7 +118,7 @@ def hf_vit(*, n_layer=2, d_model=128, n_head=4, image=32, patch=8, n_classes=10,
     return Example(model, (), _hf_loss, dict(pixel_values=pixels, labels=labels))
 
 
-def hf_moe(*, n_layer=2, d_model=128, n_head=4, n_kv_head=2, n_experts=4, top_k=2, vocab=1024, batch=4,
+def hf_moe(*, n_layer=4, d_model=128, n_head=4, n_kv_head=2, n_experts=4, top_k=2, vocab=1024, batch=4,
            seq_len=64, dropout=0.1, attn="sdpa", experts=None, seed=0):
     """MixtralForCausalLM, 4 experts with top-2 routing; out.loss includes the router aux loss.
 

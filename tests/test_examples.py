@@ -66,7 +66,7 @@ def test_factories_leave_global_rng_alone():
 
 
 def test_gpt2_shapes_and_tied_head():
-    model, (idx,), _ = gpt2()
+    model, (idx,), _, _ = gpt2()
     assert model.lm_head.weight is model.wte.weight
     assert idx.dtype == torch.long and idx.shape == (4, 128)
     with torch.no_grad():
@@ -75,7 +75,7 @@ def test_gpt2_shapes_and_tied_head():
 
 @pytest.mark.parametrize("factory", [resnet, unet])
 def test_batchnorm_running_stats_update(factory):
-    model, inputs, _ = factory()
+    model, inputs, _, _ = factory()
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert bns
     before = [bn.running_mean.clone() for bn in bns]
@@ -85,7 +85,7 @@ def test_batchnorm_running_stats_update(factory):
 
 
 def test_unet_output_shape():
-    model, (x,), _ = unet()
+    model, (x,), _, _ = unet()
     with torch.no_grad():
         assert model(x).shape == (x.size(0), 1, x.size(2), x.size(3))
 
