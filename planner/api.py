@@ -12,6 +12,7 @@ from .baselines import BASELINES
 from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
+from .opaque import real_inputs
 from .profile import DeviceRates, profile
 from .result import Plan
 from .simulate import timeline
@@ -35,6 +36,7 @@ class Analysis:
     cost_graph: CostGraph
     analyze_s: float
     example_inputs: dict      # the graph's inputs by name, as given
+    opaque_examples: dict = field(default_factory=dict)   # opaque module -> its real inputs
 
 
 def budget_to_bytes(budget_gb) -> int:
@@ -60,10 +62,12 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     t0 = time.perf_counter()
     traced = capture(model, args, kwargs)
     named = traced.inputs(model, args, kwargs)
-    cg = profile(traced.gm, named, loss_fn, rates, tuple(m for m, _ in traced.opaque))
+    opaque = tuple(m for m, _ in traced.opaque)
+    examples = real_inputs(traced.gm, named, opaque) if opaque else {}
+    cg = profile(traced.gm, named, loss_fn, rates, opaque, examples)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path,
                            "trace_attempts": [list(a) for a in traced.attempts]})
-    return Analysis(traced, cg, time.perf_counter() - t0, named)
+    return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
 
 
 def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOptions(),

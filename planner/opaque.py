@@ -43,12 +43,45 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_(t.requires_grad)
 
 
-def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs):
-    """Run `module` for real on inputs shaped like the fake `args`; returns (cost, fake-able outputs)."""
+def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> dict[str, list]:
+    """The real tensor inputs each opaque module gets in a no-grad forward of `gm(**inputs)`.
+
+    Value-dependent code (a loop until convergence) runs as often on these as in the step, which
+    it would not on random stand-ins. A no-grad forward keeps no activations; the RNG state and
+    the buffers (BatchNorm statistics) are restored."""
+    found: dict[str, list] = {}
+
+    def hook(name):
+        def pre(_m, args, kwargs):
+            if name not in found:
+                found[name] = [x.detach().clone() if isinstance(x, torch.Tensor) else x
+                               for x in tree_flatten((args, kwargs))[0]]
+        return pre
+    handles = [gm.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in names]
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            gm(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return found
+
+
+def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+    """Run `module` for real on `example` (its real inputs, see `real_inputs`), else on
+    random inputs shaped like the fake `args`; returns (cost, fake-able outputs)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
     with _disable_current_modes(), torch.random.fork_rng(devices=[]):
         flat, spec = tree_flatten((args, kwargs))
-        real = [_real_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        if example is not None and len(example) == len(flat):
+            real = [e.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                    for e, x in zip(example, flat)]
+        else:
+            real = [_real_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
         r_args, r_kwargs = tree_unflatten(real, spec)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
         inputs = [x for x in real if isinstance(x, torch.Tensor)]
@@ -105,3 +138,21 @@ class StandIn(torch.autograd.Function):
         del tmp
         return (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
                                           for s, d in ctx.shapes)
+
+
+def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+    """`module(*args, **kwargs)` on fake tensors: measured for real, stood in for by StandIn.
+    Returns (outputs, cost); the module's parameters, as they are now (fake), get the grads."""
+    cost, out_spec = measure_opaque(module, real_state, args, kwargs, example)
+    flat_spec, spec = tree_flatten(out_spec)
+    tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    outs = iter(StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *module.parameters()))
+    return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
+
+
+def real_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by name (tied ones under every name)."""
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return state

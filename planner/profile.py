@@ -21,11 +21,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
-from .opaque import StandIn, TensorSpec, measure_opaque
+from .opaque import stand_in
 from .simulate import timeline
 from .storage import LiveBytes
 from .trace import placeholder_values
@@ -109,9 +109,10 @@ class _Runner(fx.Interpreter):
     """Runs the graph node by node, recording per-node forward measurements."""
 
     def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode,
-                 opaque: dict[str, dict[str, torch.Tensor]]):
+                 opaque: dict[str, dict[str, torch.Tensor]], examples: dict[str, list]):
         super().__init__(gm)
         self.opaque = opaque            # opaque module name -> its real parameters and buffers
+        self.examples = examples        # opaque module name -> its real inputs (opaque.real_inputs)
         self.mode, self.flops = mode, flops
         self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
         self.holders: dict[int, set[int]] = defaultdict(set)
@@ -156,14 +157,10 @@ class _Runner(fx.Interpreter):
     def run_opaque(self, n: fx.Node):
         """An opaque module: measured for real in isolation, stood in for on fake tensors."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        mod = self.module.get_submodule(n.target)
-        cost, out_spec = measure_opaque(mod, self.opaque[n.target], args, kwargs)
-        flat_spec, spec = tree_flatten(out_spec)
-        tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
-        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        outs = iter(StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *mod.parameters()))
+        out, cost = stand_in(self.module.get_submodule(n.target), self.opaque[n.target], args, kwargs,
+                             self.examples.get(n.target))
         self.flops.flop_counts["Global"][_OPAQUE_FLOPS] += cost.flops
-        return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec)
+        return out
 
     def measure(self, i: int, fn):
         mode = self.mode
@@ -205,7 +202,7 @@ def _module_of(n: fx.Node) -> str:
 
 
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
-            opaque: tuple[str, ...] = ()) -> CostGraph:
+            opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
@@ -226,7 +223,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         mode.track_fixed(fixed_storages)
         grad_params = {id(fixed_storages[i]): t for i, t in enumerate(fixed) if t.requires_grad and t.is_leaf}
         flops = FlopCounterMode(display=False)
-        runner = _Runner(gm, mode, flops, opaque_state)
+        runner = _Runner(gm, mode, flops, opaque_state, examples or {})
         with _reparametrize_module(gm, state), flops, mode:
             out = runner.run(*placeholder_values(gm, fake_in))
             loss_i = len(nodes)

@@ -28,6 +28,10 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
+# Modules whose CPU kernels hold memory that fake tensors do not see (the RNNs' fused kernels keep
+# per-step workspaces): planned as opaque nodes, their memory measured by running them for real.
+MEASURED_FOR_REAL = (torch.nn.RNNBase,)
+MEASURED_WHY = "its kernel's memory is not what fake tensors model: measured by running it for real"
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
     attempts: list[tuple[str, str]] = []
     try:
         traced = trace(model, args, kwargs)
-        if not traced.opaque:
+        if all(why == MEASURED_WHY for _, why in traced.opaque):
             return traced
         attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
     except TraceError as e:
@@ -227,6 +231,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
             if not where or where in opaque or len(opaque) >= max_opaque:
                 raise TraceError(where or f"{type(model).__name__}.forward", f"{type(e).__name__}: {e}") from e
             opaque[where] = _first_line(e)
+    for n in graph.nodes:     # modules whose real kernels fake tensors do not model: measured for real
+        if n.op == "call_module" and isinstance(tracer.root.get_submodule(n.target), MEASURED_FOR_REAL):
+            opaque.setdefault(n.target, MEASURED_WHY)
     # a module inside an opaque one is opaque with it: name only the outermost
     opaque = {m: why for m, why in opaque.items() if not any(m.startswith(o + ".") for o in opaque)}
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)

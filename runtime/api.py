@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 from planner import PlanOptions, analyze, budget_to_bytes, solve_plan
 from planner.errors import TraceError
 from planner.result import Plan
+from planner.simulate import timeline
 
 from .modules import checkpointing, plan_modules
 from .rewrite import adopt, rewrite
@@ -18,19 +19,20 @@ from .verify import dry_run_peak
 def exact_replay(model: torch.nn.Module, analysis, loss_fn):
     """measure(regions) for solve_plan: rewrite with those regions and dry-run the step.
 
-    None when the graph has opaque modules: fake tensors cannot run them (that is why they are
-    opaque), so such plans rest on the simulator alone, and the Plan's notes say so.
+    Opaque modules (fake tensors cannot run them) are stood in for by their measured behaviour,
+    as in the profile; that stand-in is a model of the module, so with opaque modules the
+    prediction is the larger of the replay and the simulator.
     """
-    if analysis.traced.opaque:
-        return None
     gm, inputs = analysis.traced.gm, analysis.example_inputs
+    opaque = tuple(m for m, _ in analysis.traced.opaque)
 
     def measure(regions) -> int:
         skeleton = Plan(regions=tuple(regions), budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
                         min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0,
                         forward_s=0.0, solver="", status="", gap=0.0, solve_s=0.0,
                         node_names=tuple(c.name for c in analysis.cost_graph.nodes))
-        return dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn)
+        replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples)
+        return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if opaque else replayed
     return measure
 
 

@@ -7,17 +7,45 @@ real is allocated, so a plan for a step larger than this machine can still be ch
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.opaque import real_state, stand_in
 from planner.storage import LiveBytes
 
 
-def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None) -> int:
-    """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs included)."""
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+@contextlib.contextmanager
+def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
+    """Opaque modules (fake tensors cannot run them) run as their measured stand-ins."""
+    mods = [gm.get_submodule(m) for m in opaque]
+    states = [real_state(m) for m in mods]              # taken before the model is made fake
+    def patched(mod, state, example):
+        def forward(*args, **kwargs):
+            del mod.forward                  # the measurement runs the module's own forward
+            try:
+                return stand_in(mod, state, args, kwargs, example)[0]
+            finally:
+                mod.forward = forward
+        return forward
+    for name, mod, state in zip(opaque, mods, states):
+        mod.forward = patched(mod, state, examples.get(name))
+    try:
+        yield
+    finally:
+        for mod in mods:
+            del mod.forward
+
+
+def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[str, ...] = (),
+                 examples: dict | None = None) -> int:
+    """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs included).
+    `opaque` modules are stood in for by their measured memory behaviour (planner.opaque)."""
+    with _standing_in(gm, opaque, examples or {}), torch.random.fork_rng(devices=[]), \
+            FakeTensorMode(allow_non_fake_inputs=True) as fake:
         named = dict(gm.named_parameters(remove_duplicate=False))
         named.update(gm.named_buffers(remove_duplicate=False))
         state = {k: fake.from_tensor(v) for k, v in named.items()}

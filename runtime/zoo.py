@@ -222,6 +222,39 @@ def dyn_loop(*, width=128, in_features=64, n_classes=10, batch=64, tol=0.25, see
     return Example(model, (x,), _cross_entropy(targets))
 
 
+class EarlyExit(nn.Module):
+    """Residual MLP blocks in the top-level forward, stopping early once the update is small:
+    neither fx nor torch.export can capture the model as a whole (planned over its modules)."""
+
+    def __init__(self, in_features: int, width: int, depth: int, n_classes: int, tol: float):
+        super().__init__()
+        self.inp = nn.Linear(in_features, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
+                          nn.Dropout(0.1))
+            for _ in range(depth))
+        self.out = nn.Linear(width, n_classes)
+        self.tol = tol
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            delta = block(h)
+            h = h + delta
+            if delta.norm() < self.tol * h.norm():
+                break
+        return self.out(h)
+
+
+def early_exit(*, width=128, in_features=64, depth=6, n_classes=10, batch=256, tol=0.05, seed=0) -> Example:
+    """Residual MLP stack whose top-level forward exits early on a value-dependent test (module-tree path)."""
+    with _seeded(seed):
+        model = EarlyExit(in_features, width, depth, n_classes, tol).train()
+        x = torch.randn(batch, in_features)
+        targets = torch.randint(n_classes, (batch,))
+    return Example(model, (x,), _cross_entropy(targets))
+
+
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """timm-style stochastic depth: zero whole samples with probability ``p``, rescale the rest (no branching)."""
     if p == 0.0 or not training:
@@ -286,4 +319,5 @@ ZOO: dict[str, Callable[..., Example]] = {
     "unet": unet,
     "dyn-loop": dyn_loop,
     "layerdrop": layerdrop,
+    "early-exit": early_exit,
 }

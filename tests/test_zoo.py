@@ -1,0 +1,128 @@
+"""Real architectures (runtime.zoo): every one plans, trains exactly like the original, and fits.
+
+One test per architecture at 50% of its activation memory (benchmarks/zoo.py prints the same
+rows as the README's table), then the semantics a wrapped model must keep: autocast, no_grad and
+eval, state_dict round trips, tied weights, re-planning for a new shape.
+"""
+import copy
+import importlib.util
+import io
+
+import pytest
+import torch
+
+from benchmarks.zoo import _step, max_diff, run_row
+from planner import PlanOptions, SolveOptions
+from runtime import plan_and_wrap
+from runtime.zoo import ZOO
+
+FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
+HAS_HF = importlib.util.find_spec("transformers") is not None
+PATHS = {"transformer": "torch.export", "lstm-lm": "fx with opaque leaves", "unet": "fx",
+         "dyn-loop": "fx with opaque leaves", "layerdrop": "fx with opaque leaves", "early-exit": "module tree"}
+
+
+def _needs(name: str):
+    if name.startswith("hf-") and not HAS_HF:
+        pytest.skip("transformers is not installed (pip install -e '.[hf]')")
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_architecture_plans_fits_and_trains_identically(name):
+    _needs(name)
+    row = run_row(name, 0.5, FAST)
+    assert row.path == PATHS.get(name, "torch.export")
+    assert row.max_abs_diff == 0.0 and row.rng_equal        # outputs, loss, grads, buffers; RNG after
+    assert row.measured <= row.planned_at, f"{name}: measured {row.measured} over {row.planned_at}"
+    assert row.planned_at == row.budget or (row.why and row.planned_at > row.budget)
+    assert row.regions > 0
+
+
+def test_untraceable_parts_are_named():
+    row = run_row("layerdrop", 0.5, FAST)   # `torch.rand(()) < p` blocks: fx would freeze the draw
+    assert {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} <= set(row.opaque)
+    wrapped = plan_and_wrap(ZOO["dyn-loop"]().model, 1e6, example_inputs=ZOO["dyn-loop"]().inputs)
+    assert [m for m, _ in wrapped.plan.opaque] == ["3"]
+    assert "control flow" in wrapped.plan.opaque[0][1]
+    assert "GuardOnDataDependentSymNode" in dict(wrapped.plan.meta["trace_attempts"])["torch.export"]
+
+
+def _pair(name: str, **kw):
+    _needs(name)
+    ex = ZOO[name](**kw)
+    ref = copy.deepcopy(ex.model)
+    probe = plan_and_wrap(copy.deepcopy(ex.model), 1e6, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                          loss_fn=ex.loss_fn, options=FAST).plan
+    budget = 0.75 * probe.unplanned_peak_bytes / 1e9
+    wrapped = plan_and_wrap(ex.model, budget, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                            loss_fn=ex.loss_fn, options=FAST)
+    assert wrapped.plan.regions
+    return ex, ref, wrapped
+
+
+def _same_step(ex, ref, wrapped):
+    a, ra = _step(ref, ex)
+    b, rb = _step(wrapped, ex)
+    assert max_diff(a, b) == 0.0 and torch.equal(ra, rb)
+    grads = [(p.grad, q.grad) for p, q in zip(ref.parameters(), wrapped.parameters()) if p.grad is not None]
+    assert grads and max_diff(*zip(*grads)) == 0.0
+    for m in (ref, wrapped):
+        m.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "unet"])
+def test_autocast_bf16_replans_and_matches(name):
+    ex, ref, wrapped = _pair(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _same_step(ex, ref, wrapped)
+    assert len(wrapped.plans) == 2     # fp32 (planned at wrap) and bf16 activations
+    _same_step(ex, ref, wrapped)       # and back to fp32, the first plan again
+    assert len(wrapped.plans) == 2
+
+
+def test_no_grad_and_eval_run_the_original():
+    ex, ref, wrapped = _pair("hf-gpt2")
+    with torch.no_grad():
+        a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
+    assert type(a) is type(b)
+    ref.eval(), wrapped.eval()
+    assert not wrapped._model[0].training
+    a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    assert len(wrapped.plans) == 1
+
+
+def test_tied_weights_stay_tied():
+    ex, ref, wrapped = _pair("hf-gpt2")
+    model = wrapped._model[0]
+    assert model.lm_head.weight is model.transformer.wte.weight
+    _same_step(ex, ref, wrapped)
+    names = [n for n, _ in wrapped.named_parameters()]
+    assert "lm_head.weight" not in names and len(names) == len(list(ref.parameters()))
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "unet"])
+def test_state_dict_round_trips(name):
+    ex, ref, wrapped = _pair(name)
+    assert list(wrapped.state_dict()) == list(ref.state_dict())
+    # wrapped -> fresh unwrapped model, through torch.save
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            p.add_(0.01)
+    buf = io.BytesIO()
+    torch.save(wrapped.state_dict(), buf)
+    fresh = ZOO[name](seed=3).model
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), wrapped.state_dict().values()))
+    # unwrapped -> wrapped, also with assign=True (new tensors): the regions must use them
+    wrapped.load_state_dict(ref.state_dict(), assign=True)
+    _same_step(ex, ref, wrapped)
+
+
+def test_new_shape_replans():
+    ex, ref, wrapped = _pair("hf-gpt2")
+    short = ZOO["hf-gpt2"](seq_len=32)
+    _same_step(short, ref, wrapped)
+    assert len(wrapped.plans) == 2
+    _same_step(ex, ref, wrapped)
+    assert len(wrapped.plans) == 2
