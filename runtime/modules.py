@@ -7,7 +7,6 @@ a choice with one real step, which is the prediction this path reports.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 
