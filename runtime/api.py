@@ -67,11 +67,16 @@ class RematModule(torch.nn.Module):
                  options: PlanOptions):
         super().__init__()
         adopt(self, model)
-        self.train(model.training)
         self._model = (model,)                 # tuples keep these out of the module tree
+        self.train(model.training)
         self._budget_bytes, self._loss_fn, self._options = budget_bytes, loss_fn, options
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
+
+    def train(self, mode: bool = True) -> "RematModule":
+        super().train(mode)
+        self._model[0].train(mode)         # the original's own flag too (its forward may read it)
+        return self
 
     @property
     def plan(self) -> Plan:
