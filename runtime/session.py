@@ -1,7 +1,8 @@
 """A model under planning, from loading to real steps: the library code the CLI and
 `runtime.testing` build on.
 
-MODEL is a built-in example (gpt2, mlp, resnet, unet), `path/to/file.py:factory` or
+MODEL is a built-in example (gpt2, mlp, resnet, unet), a zoo model (runtime.zoo: hf-llama, ...),
+`path/to/file.py:factory` or
 `package.module:factory`. The factory takes no arguments and returns `(model, inputs)` or
 `(model, inputs, loss_fn)`, where inputs is a tuple (positional), a dict (keyword) or one tensor.
 Here: load it (`load_model`), profile it on fake tensors and solve for a budget (`profile_model`,
@@ -22,10 +23,10 @@ from typing import Callable, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, analyze, solve_plan
+from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
 from planner.result import Plan
 
-from . import examples
+from . import examples, zoo
 from .api import exact_replay
 from .budget import UsageError
 from .measure import peak_memory
@@ -74,9 +75,13 @@ def load_model(spec: str | None) -> Loaded:
         name = spec or "gpt2"
         ex = examples.EXAMPLES[name]()
         return Loaded(ex.model, ex.inputs, {}, ex.loss_fn, f"built-in {name}")
+    if spec in zoo.ZOO:
+        with model_code(f"cannot build {spec!r} (the hf-* models need `pip install -e '.[hf]'`)"):
+            ex = zoo.ZOO[spec]()
+        return Loaded(ex.model, ex.inputs, ex.kwargs or {}, ex.loss_fn, f"zoo {spec}")
     if ":" not in spec:
-        raise UsageError(f"MODEL {spec!r}: use a built-in ({', '.join(examples.EXAMPLES)}), "
-                         "path/to/file.py:factory or package.module:factory")
+        raise UsageError(f"MODEL {spec!r}: use a built-in ({', '.join(examples.EXAMPLES)}), a zoo model "
+                         f"({', '.join(zoo.ZOO)}), path/to/file.py:factory or package.module:factory")
     where, factory_name = spec.rsplit(":", 1)
     with model_code(f"cannot load {spec!r}"):
         factory = getattr(_import(where), factory_name)
@@ -105,7 +110,11 @@ def model_code(what: str):
 def profile_model(loaded: Loaded, say) -> Analysis:
     say(f"tracing and profiling {loaded.label} on fake tensors ...")
     with model_code(f"cannot profile {loaded.label}"):
-        analysis = analyze(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn)
+        try:
+            analysis = analyze(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn)
+        except TraceError as e:
+            raise ModelError(f"{e}. No graph, so no report here: plan_and_wrap still plans this model over "
+                             "its module tree, measuring each choice with a real step") from e
     say(f"{len(analysis.cost_graph.nodes)} nodes profiled in {analysis.analyze_s:.1f} s")
     return analysis
 

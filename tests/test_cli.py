@@ -281,3 +281,13 @@ def test_assert_fits_tight_and_tiny_budgets():
     assert plan.regions
     with pytest.raises(AssertionError, match="smallest feasible peak"):
         assert_fits(model, (x,), 1e-5, time_limit_s=3)
+
+
+def test_report_names_the_graph_path_for_zoo_models():
+    r = remat("report", "lstm-lm", "--budget", "95%", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^graph +fx with opaque leaves", r.stdout, re.M)
+    assert re.search(r"^  lstm: its kernel's memory is not what fake tensors model", r.stdout, re.M)
+    r = remat("report", "early-exit", "--budget", "95%", *FAST)
+    assert r.returncode == 2 and "GuardOnDataDependentSymNode" in r.stderr and "module tree" in r.stderr
+    assert "Traceback" not in r.stderr
