@@ -14,6 +14,7 @@ import torch
 from benchmarks.zoo import _step, max_diff, run_row
 from planner import PlanOptions, SolveOptions
 from runtime import plan_and_wrap
+from runtime.measure import peak_memory
 from runtime.zoo import ZOO
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
@@ -75,6 +76,9 @@ def test_autocast_bf16_replans_and_matches(name):
     ex, ref, wrapped = _pair(name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _same_step(ex, ref, wrapped)
+        measured = peak_memory(lambda: _step(wrapped, ex), wrapped, ex.inputs, ex.kwargs)
+        assert measured <= wrapped.plan.predicted_peak_bytes <= wrapped.plan.budget_bytes
+        wrapped.zero_grad(set_to_none=True)
     assert len(wrapped.plans) == 2     # fp32 (planned at wrap) and bf16 activations
     _same_step(ex, ref, wrapped)       # and back to fp32, the first plan again
     assert len(wrapped.plans) == 2
