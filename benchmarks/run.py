@@ -31,7 +31,7 @@ from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropo
 from planner import PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
-from planner.trace import trace  # noqa: E402
+from planner.trace import capture  # noqa: E402
 from runtime import peak_memory  # noqa: E402
 from runtime.api import exact_replay  # noqa: E402
 from runtime.rewrite import rewrite  # noqa: E402
@@ -71,10 +71,23 @@ def meter_check(name: str, ex) -> dict:
     return dict(model=name, live=live, alloc=allocator_peak(lambda: step(model, ex), model, ex.inputs))
 
 
+class _Called(torch.nn.Module):
+    """A rewritten graph called like the model: positional inputs mapped onto its placeholders."""
+
+    def __init__(self, gm: torch.nn.Module, inputs):
+        super().__init__()
+        self.gm, self.inputs = gm, inputs
+
+    def forward(self, *args):
+        return self.gm(**self.inputs(args))
+
+
 def run_rewritten(ex, skeleton, regions, ref) -> tuple[torch.nn.Module, int, bool]:
     """The model rewritten with `regions`, its peak, and whether it gives the reference result."""
     model = copy.deepcopy(ex.model)
-    gm = rewrite(model, trace(model, ex.inputs, {}).gm, replace(skeleton, regions=regions))
+    traced = capture(model, ex.inputs, {})
+    rewritten = rewrite(model, traced.gm, replace(skeleton, regions=regions))
+    gm = _Called(rewritten, lambda args: traced.inputs(model, args, {}))
     same = same_result(model, step(gm, ex), ref)
     model.zero_grad(set_to_none=True)
     peak = peak_memory(lambda: step(gm, ex), model, *ex.inputs)

@@ -42,12 +42,14 @@ class Traced:
     path: str = "fx"                        # "fx", "fx with opaque leaves" or "torch.export"
     in_spec: pytree.TreeSpec | None = None  # torch.export: how (args, kwargs) flatten onto inputs
     attempts: tuple[tuple[str, str], ...] = ()  # (path, why it was not taken) for the paths tried
+    extra_kwargs: dict | None = None        # keyword inputs the graph was captured with (use_cache)
 
     def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
         if self.in_spec is None:
             return {k: v for k, v in bind_inputs(model, args, kwargs).items() if k in self.input_names}
-        flat = fx_pytree.tree_flatten_spec(as_keywords(model, args, kwargs), self.in_spec)
+        a, kw = as_keywords(model, args, {**(self.extra_kwargs or {}), **kwargs})
+        flat = fx_pytree.tree_flatten_spec((a, kw), self.in_spec)
         return dict(zip(self.input_names, flat))
 
 
@@ -153,14 +155,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
 
 
-def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
+def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict | None = None) -> Traced:
     """torch.export (non-strict) of `model(*args, **kwargs)` as a Traced graph.
 
     The graph's placeholders are the flattened inputs (by name) and its output is rebuilt into
     the model's own structure by an `Unflatten` module, so the graph is called like fx's. Its
-    parameters and buffers are the model's own objects.
+    parameters and buffers are the model's own objects. `extra_kwargs` are passed too, and on
+    every call of the graph (`Traced.inputs`).
     """
-    a, kw = as_keywords(model, args, kwargs)
+    a, kw = as_keywords(model, args, {**(extra_kwargs or {}), **kwargs})
     before = _rng_state()
     with _quiet():
         ep = torch.export.export(model, a, kw, strict=False)
@@ -177,7 +180,13 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
     out.args = (structured,)
     gm.recompile()
     names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
-    return Traced(gm, names, (), "torch.export", info.in_spec)
+    return Traced(gm, names, (), "torch.export", info.in_spec, extra_kwargs=extra_kwargs)
+
+
+def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
+    """Export failed on a cache object in the output, and use_cache is ours to turn off."""
+    return ("Cache" in str(e) and "not a known type" in str(e) and "use_cache" not in kwargs
+            and "use_cache" in inspect.signature(model.forward).parameters)
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
@@ -196,6 +205,17 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
         return replace(export(model, args, kwargs), attempts=tuple(attempts))
     except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
         attempts.append(("torch.export", _first_line(e)))
+        if _cache_output(model, kwargs, e):
+            # Hugging Face returns a key/value cache object when use_cache is on; nothing reads it in
+            # training, and HF itself turns use_cache off under gradient checkpointing: so do we.
+            try:
+                exported = export(model, args, kwargs, {"use_cache": False})
+                attempts[-1] = ("torch.export as called", "its output holds a key/value cache object (not a "
+                                "pytree); captured with use_cache=False, as Hugging Face does under gradient "
+                                "checkpointing: the output carries no cache")
+                return replace(exported, attempts=tuple(attempts))
+            except Exception as e2:
+                attempts.append(("torch.export with use_cache=False", _first_line(e2)))
     if traced is not None:
         return replace(traced, attempts=tuple(attempts))
     raise TraceError(f"{type(model).__name__}.forward",

@@ -130,3 +130,21 @@ def test_new_shape_replans():
     assert len(wrapped.plans) == 2
     _same_step(ex, ref, wrapped)
     assert len(wrapped.plans) == 2
+
+
+def test_hugging_face_cache_output_is_turned_off_as_hf_does():
+    _needs("hf-gpt2")
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=256)  # use_cache on
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(256, (2, 32))
+    wrapped = plan_and_wrap(model, 1e6, example_kwargs={"input_ids": ids, "labels": ids})
+    assert wrapped.plan.trace_path == "torch.export"
+    assert "use_cache=False" in dict(wrapped.plan.meta["trace_attempts"])["torch.export as called"]
+    torch.manual_seed(1)
+    a = ref(input_ids=ids, labels=ids)
+    torch.manual_seed(1)
+    b = wrapped(input_ids=ids, labels=ids)
+    assert torch.equal(a.loss, b.loss) and b.past_key_values is None
