@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner import InfeasibleBudgetError, PlanOptions
+from planner import InfeasibleBudgetError, PlanOptions, analyze
+from planner.simulate import timeline
 from runtime import plan_and_wrap
 from runtime.measure import peak_memory
 from runtime.zoo import ZOO
@@ -86,10 +87,10 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
     except InfeasibleBudgetError as e:
-        why = f"smallest feasible peak is {e.min_feasible_bytes / 1e6:.2f} MB"
         planned_at = e.min_feasible_bytes
         wrapped = plan_and_wrap(model, planned_at / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
+        why = f"the smallest feasible peak is {planned_at / 1e6:.2f} MB{_where_peak(wrapped.plan, ex)}"
     plan_s = time.perf_counter() - t0
     ref_out, ref_rng = _step(ref, ex)
     out, rng = _step(wrapped, ex)
@@ -105,6 +106,17 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     return Row(name, p.trace_path, len(p.node_names), [m for m, _ in p.opaque], plan_s, p.unplanned_peak_bytes,
                budget, planned_at, measured, p.predicted_peak_bytes, p.extra_compute_pct, len(p.regions), diff,
                torch.equal(ref_rng, rng), why)
+
+
+def _where_peak(plan, ex) -> str:
+    """Where the smallest feasible plan peaks: the floor no plan goes below."""
+    if plan.trace_path == "module tree":
+        return ", with every submodule checkpointed (module tree)"
+    cg = analyze(ex.model, ex.inputs, ex.kwargs, ex.loss_fn).cost_graph
+    tl = timeline(cg, plan.regions)
+    phase, seq = max(((max(tl.fwd), "forward", tl.fwd), (max(tl.bwd), "backward", tl.bwd)))[1:]
+    c = cg.nodes[max(range(len(seq)), key=seq.__getitem__)]
+    return f", at the {phase} of {c.name}" + (f" ({c.module})" if c.module else "")
 
 
 def table(rows: list[Row]) -> str:

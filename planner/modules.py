@@ -51,15 +51,17 @@ class ModuleProfile:
 
 
 def units_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The root's children, containers opened recursively: 'embed', 'layers.0', ..., 'head'."""
+    """The root's children, containers opened: 'embed', 'layers.0', ..., 'head'. A Sequential
+    that is an element of a ModuleList or ModuleDict is a block, kept whole."""
     out: list[tuple[str, torch.nn.Module]] = []
 
     def walk(prefix: str, m: torch.nn.Module):
         for name, child in m.named_children():
             q = f"{prefix}{name}"
-            if isinstance(child, CONTAINERS):
+            block = isinstance(child, torch.nn.Sequential) and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            if isinstance(child, CONTAINERS) and not block:
                 walk(q + ".", child)
-            elif any(p.requires_grad for p in child.parameters()) or next(child.children(), None) is not None:
+            elif any(p.requires_grad for p in child.parameters()):
                 out.append((q, child))
     walk("", model)
     return out
