@@ -1,12 +1,18 @@
-"""The solver layer on hand-built CostGraphs with known optima (no torch)."""
+"""The solver layer on hand-built CostGraphs with known optima, and on random ones against brute
+force over every plan (no torch)."""
 import math
+import random
 
+import pulp
 import pytest
 
 from planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
+from planner.baselines import sac_keepable
+from planner.candidates import candidates, trivial_nodes
 from planner.costgraph import NodeCost, StorageCost
+from planner.improve import _Judge, improve
 from planner.simulate import timeline
-from planner.solve import solve_ilp
+from planner.solve import _model, solve_ilp
 
 MB = 10**6
 
@@ -91,3 +97,155 @@ def test_costgraph_and_plan_json_round_trip():
     assert CostGraph.from_json(cg.to_json()) == cg
     p = solve_plan(cg, 21 * MB)
     assert Plan.from_json(p.to_json()) == p
+
+
+# --------------------------------------------------------------------------- exactness
+EVERY = SolveOptions(max_cuts=10**6, max_span=10**6, rel_gap=0.0, max_nodes=10**9, time_limit_s=60, improve_evals=0)
+
+
+def random_graph(seed: int, n: int = 7) -> CostGraph:
+    """n compute nodes and a loss: random storages (sizes, readers, holders, a model output),
+    gradients, FLOPs, extra working memory, trivial nodes (views) among them."""
+    rng = random.Random(seed)
+    nodes, storages = [], []
+    trivial = {i for i in range(1, n - 1) if rng.random() < 0.25}
+    for i in range(n):
+        flops = 0 if i in trivial or rng.random() < 0.4 else rng.randint(1, 100) * 10**6
+        users = sorted(rng.sample(range(i + 1, n + 1), k=min(n - i, rng.randint(1, 3))))
+        nodes.append(NodeCost(name=f"n{i}", target=f"n{i}", module=f"blocks.{i // 3}", flops=flops,
+                              cost_s=flops * 1e-9 + 1e-5 * rng.randint(1, 5), fwd_extra_bytes=rng.randint(0, 2) * MB,
+                              bwd_extra_bytes=rng.randint(0, 2) * MB, grad_bytes=rng.randint(0, 2) * MB,
+                              grad_last_user=max(users), param_grad_bytes=rng.randint(0, 1) * MB,
+                              recomputable=True, ops=rng.randint(1, 3)))
+        if i in trivial:
+            continue
+        for _ in range(rng.randint(1, 2)):
+            us = tuple(sorted(set(users + rng.sample(range(i + 1, n + 1), k=rng.randint(0, 1)))))
+            holders = tuple(sorted(set(h for h in us + (i,) if rng.random() < 0.5)))
+            storages.append(StorageCost(rng.randint(1, 8) * MB, i, us, holders, output=(i == n - 1 and not storages[-1:]
+                                                                                     or rng.random() < 0.05)))
+    nodes.append(NodeCost(name="loss", target="loss", module="", flops=0, cost_s=1e-6, fwd_extra_bytes=0,
+                          bwd_extra_bytes=0, grad_bytes=0, grad_last_user=n, param_grad_bytes=0,
+                          recomputable=False, why_not="loss"))
+    storages.append(StorageCost(MB, n, (), (n,)))
+    return CostGraph(nodes=tuple(nodes), storages=tuple(storages), fixed_bytes=10 * MB, param_bytes=MB,
+                     region_s=2e-5, sac_op_s=3e-6)
+
+
+def every_plan(cg: CostGraph):
+    """Every set of disjoint regions, each plain or keeping its FLOP-heavy nodes' outputs."""
+    n = len(cg.nodes) - 1
+    keep = sac_keepable(cg)
+
+    def variants(a, b):
+        heavy = tuple(j for j in range(a, b + 1) if keep[j])
+        return [Region(a, b)] + ([Region(a, b, heavy)] if heavy and len(heavy) < b - a + 1 else [])
+
+    def from_(i):
+        if i >= n:
+            yield ()
+            return
+        yield from from_(i + 1)
+        for b in range(i, n):
+            for r in variants(i, b):
+                for rest in from_(b + 1):
+                    yield (r,) + rest
+    yield from from_(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ilp_over_every_region_is_the_exact_optimum(seed):
+    """Brute force over every plan, judged by the simulator: the ILP's optimum is the optimum
+    (its memory model is the simulator's, and trimming trivial ends loses nothing)."""
+    cg = random_graph(seed)
+    plans = [(timeline(cg, p), p) for p in every_plan(cg)]
+    peaks = sorted({tl.peak_bytes for tl, _ in plans})
+    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    # budgets between two plans' peaks: CBC's tolerances cannot tell bytes apart at a plan's peak
+    mids = [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
+    for budget in {mids[0], mids[len(mids) // 4], mids[len(mids) // 2], mids[-1]}:
+        best = min(tl.recompute_s for tl, _ in plans if tl.peak_bytes <= budget)
+        sol = solve_ilp(cg, budget, EVERY, cands=cands)
+        assert sol is not None and sol.status == "optimal"
+        got = timeline(cg, sol.regions)
+        assert got.peak_bytes <= budget
+        assert got.recompute_s == pytest.approx(best, rel=1e-6), (budget, sol.regions)
+    assert solve_ilp(cg, int(peaks[0] * 0.999), EVERY, cands=cands) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ilp_peak_is_the_simulated_peak(seed):
+    """For fixed regions, the least budget the ILP admits is the simulated peak, to the byte."""
+    cg = random_graph(100 + seed, n=9)
+    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    rng = random.Random(seed)
+    for _ in range(10):
+        chosen, taken = [], set()
+        for j in rng.sample(range(len(cands)), len(cands)):
+            span = set(range(cands[j].region.start, cands[j].region.end + 1))
+            if taken.isdisjoint(span) and rng.random() < 0.4:
+                chosen.append(j)
+                taken |= span
+        prob, x, B, _, _ = _model(cg, cands, None)
+        prob += B
+        for j, v in enumerate(x):
+            prob += v == int(j in chosen)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        regions = tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start))
+        assert pulp.value(B) * 1e6 == pytest.approx(timeline(cg, regions).peak_bytes, abs=1)
+
+
+def test_trivial_nodes_never_end_a_candidate():
+    cg = random_graph(3)
+    triv = trivial_nodes(cg)
+    assert any(triv)
+    for c in candidates(cg, EVERY.max_cuts, EVERY.max_span):
+        assert not triv[c.region.start] and not triv[c.region.end]
+
+
+def test_every_cut_asked_for_means_every_region():
+    """max_cuts/max_span at least the graph's size offer every region, blocks or not."""
+    cg = chain(12, [5, 1] * 6, [1] * 12)       # 12 nodes in blocks.0 .. blocks.11
+    got = {(c.region.start, c.region.end) for c in candidates(cg, 10**6, 10**6)}
+    # a single node recomputes nothing (its output's holder is the next node)
+    assert got == {(a, b) for a in range(12) for b in range(a + 1, 12)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_local_search_keeps_the_budget_and_never_costs_more(seed):
+    """From random plans: the result fits the budget and costs no more; with no budget, its peak
+    is no higher (and no lower than any plan's)."""
+    cg = random_graph(200 + seed)
+    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    plans = [(timeline(cg, p), p) for p in every_plan(cg)]
+    rng = random.Random(seed)
+    for _ in range(5):
+        chosen, taken = [], set()
+        for c in rng.sample(cands, len(cands)):
+            span = set(range(c.region.start, c.region.end + 1))
+            if taken.isdisjoint(span) and rng.random() < 0.5:
+                chosen.append(c.region)
+                taken |= span
+        start = tuple(sorted(chosen, key=lambda r: r.start))
+        tl = timeline(cg, start)
+        out = timeline(cg, improve(cg, start, tl.peak_bytes))
+        assert out.peak_bytes <= tl.peak_bytes and out.recompute_s <= tl.recompute_s
+        low = timeline(cg, improve(cg, start, None))
+        assert (low.peak_bytes, low.recompute_s) <= (tl.peak_bytes, tl.recompute_s)
+        assert low.peak_bytes >= min(t.peak_bytes for t, _ in plans)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_local_search_scores_plans_as_the_simulator_does(seed):
+    cg = random_graph(300 + seed, n=9)
+    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    judge, rng = _Judge(cg), random.Random(seed)
+    for _ in range(30):
+        chosen, taken = [], set()
+        for c in rng.sample(cands, len(cands)):
+            span = set(range(c.region.start, c.region.end + 1))
+            if taken.isdisjoint(span) and rng.random() < 0.4:
+                chosen.append(c)
+                taken |= span
+        chosen.sort(key=lambda c: c.region.start)
+        assert judge.peak(chosen) == timeline(cg, tuple(c.region for c in chosen)).peak_bytes
