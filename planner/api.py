@@ -124,13 +124,8 @@ def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margi
         except InfeasibleBudgetError as e:
             if best is not None:
                 break
-            replayed = _replay_known(known, measure, margin)
-            fits = [(predict(r), p, k) for k, (r, p) in replayed.items() if p <= budget_bytes]
-            if fits:                                   # the simulator was too cautious: take the replay
-                _, p, k = min(fits)
-                return known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective
-            floor = min([p for _, p in replayed.values()] + [e.min_feasible_bytes + max(0, budget_bytes - effective)])
-            raise InfeasibleBudgetError(budget_bytes, floor) from None
+            return _known_or_raise(known, measure, margin, budget_bytes, predict, effective,
+                                   e.min_feasible_bytes + max(0, budget_bytes - effective))
         predicted = predict(regions) if measure is None else math.ceil(measure(regions) * margin)
         if predicted <= budget_bytes:
             cost = timeline(cg, regions).recompute_s
@@ -143,8 +138,22 @@ def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margi
         else:
             effective -= predicted - budget_bytes
     if best is None:
-        raise InfeasibleBudgetError(budget_bytes, max(predicted, min(peaks.values(), default=predicted)))
+        return _known_or_raise(known, measure, margin, budget_bytes, predict, effective,
+                               max(predicted, min(peaks.values(), default=predicted)))
     return best[1]
+
+
+def _known_or_raise(known, measure, margin, budget_bytes, predict, effective, estimate):
+    """No solved plan fits: a known plan that fits when replayed exactly, else InfeasibleBudgetError
+    with the smallest feasible budget: a replayed known plan's peak (a budget then met for sure),
+    or without a replay the simulator's `estimate`."""
+    replayed = _replay_known(known, measure, margin)
+    fits = [(predict(r), p, k) for k, (r, p) in replayed.items() if p <= budget_bytes]
+    if fits:                                   # the simulator was too cautious: take the replay
+        _, p, k = min(fits)
+        return known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective
+    floor = min((p for _, p in replayed.values()), default=estimate)
+    raise InfeasibleBudgetError(budget_bytes, floor) from None
 
 
 def _replay_known(known, measure, margin) -> dict:
