@@ -1,6 +1,7 @@
 """The real peak memory of a training step: live tensor bytes on CPU, the allocator's on CUDA."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -43,3 +44,19 @@ def peak_memory(step_fn: Callable[[], object], *live, device: str | torch.device
     with LiveBytes(baseline=_tensors(live)) as meter:
         step_fn()
     return meter.peak_bytes
+
+
+@contextlib.contextmanager
+def preserved(model: torch.nn.Module):
+    """Real steps leave no trace: gradients, buffers (BatchNorm statistics) and the CPU RNG are restored."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g

@@ -18,7 +18,7 @@ from planner.errors import InfeasibleBudgetError
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
 
-from .measure import peak_memory
+from .measure import peak_memory, preserved
 from .rewrite import _restoring
 
 PATH = "module tree"
@@ -49,26 +49,15 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
 
 def measure_step(model, args, kwargs, loss_fn, names) -> int:
     """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored)."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-
     def step():
         out = model(*args, **kwargs)
         loss = loss_fn(out) if loss_fn else sum(t.float().exp().sum() for t in torch.utils._pytree.tree_leaves(out)
                                                 if isinstance(t, torch.Tensor) and t.requires_grad)
         loss.backward()
-    try:
-        for p in params:
-            p.grad = None
-        with torch.random.fork_rng(devices=[]), checkpointing(model, names):
-            return peak_memory(step, model, *args, *kwargs.values())
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    with preserved(model), checkpointing(model, names):
+        for p in model.parameters():
+            p.grad = None           # the step's own grads are counted, not the ones it started with
+        return peak_memory(step, model, *args, *kwargs.values())
 
 
 def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, options: PlanOptions,

@@ -29,7 +29,7 @@ from planner.result import Plan
 from . import examples, zoo
 from .api import exact_replay
 from .budget import UsageError
-from .measure import peak_memory
+from .measure import peak_memory, preserved
 from .rewrite import rewrite
 
 
@@ -142,22 +142,6 @@ def _loss(out, loss_fn):
 def _device(loaded: Loaded) -> torch.device:
     tensors = [t for t in tree_flatten((loaded.args, loaded.kwargs))[0] if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
-
-
-@contextmanager
-def preserved(model: torch.nn.Module):
-    """Real steps leave no trace: gradients, buffers (BatchNorm statistics) and the CPU RNG are restored."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in grads.items():
-            p.grad = g
 
 
 def _forward_fn(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> Callable:
