@@ -4,9 +4,10 @@
 
 Budgets are fractions of the way from the smallest feasible peak to the unplanned peak. Per
 model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, ours,
-torch.compile with an activation memory budget) is checked to give the unplanned model's loss
-and gradients, then measured: real peak, median step time (forward+backward; the strategies
-timed in turn, round by round) as a ratio to no checkpointing, recomputed FLOPs, planning time.
+ours then torch.compile, torch.compile with an activation memory budget) is checked to give the
+unplanned model's loss and gradients, then measured: real peak, median step time
+(forward+backward; the strategies timed in turn, round by round) as a ratio to no checkpointing,
+recomputed FLOPs, planning time.
 Graphs of at most 90 nodes are also solved exactly, for our optimality gap. Writes
 benchmarks/results/<date>-<host>.md (a --quick run: <date>-<host>-quick.md) and a Pareto plot
 per model beside it. Timings never gate tests.
@@ -28,6 +29,8 @@ from benchmarks import exact, report  # noqa: E402
 from benchmarks.measure import allocator_peak, median_step_s, reference, same_result, step  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropout_recompute_error  # noqa: E402
+from benchmarks.strategies_remat_compile import (  # noqa: E402
+    Called, compile_rewritten, dropout_region_error, graphs_now)
 from planner import PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
@@ -53,6 +56,7 @@ class Settings:
     opts: PlanOptions
     repeats: int
     grid: tuple[float, ...]
+    no_sac_compiled: bool = False   # also compile a plan solved without SAC, when it differs from ours
 
 
 def budgets(cg, fractions, opts: PlanOptions) -> list[tuple[float, int]]:
@@ -71,23 +75,12 @@ def meter_check(name: str, ex) -> dict:
     return dict(model=name, live=live, alloc=allocator_peak(lambda: step(model, ex), model, ex.inputs))
 
 
-class _Called(torch.nn.Module):
-    """A rewritten graph called like the model: positional inputs mapped onto its placeholders."""
-
-    def __init__(self, gm: torch.nn.Module, inputs):
-        super().__init__()
-        self.gm, self.inputs = gm, inputs
-
-    def forward(self, *args):
-        return self.gm(**self.inputs(args))
-
-
 def run_rewritten(ex, skeleton, regions, ref) -> tuple[torch.nn.Module, int, bool]:
     """The model rewritten with `regions`, its peak, and whether it gives the reference result."""
     model = copy.deepcopy(ex.model)
     traced = capture(model, ex.inputs, {})
     rewritten = rewrite(model, traced.gm, replace(skeleton, regions=regions))
-    gm = _Called(rewritten, lambda args: traced.inputs(model, args, {}))
+    gm = Called(rewritten, lambda args: traced.inputs(model, args, {}))
     same = same_result(model, step(gm, ex), ref)
     model.zero_grad(set_to_none=True)
     peak = peak_memory(lambda: step(gm, ex), model, *ex.inputs)
@@ -103,21 +96,61 @@ def compile_row(search: CompileSearch, budget: int) -> dict | None:
                 ratio=run.ratio, gflop=None, plan_s=search_s, same=run.same, compiled=True)
 
 
+REMAT_COMPILE = "remat + torch.compile"
+REMAT_NO_SAC_COMPILE = "remat (no SAC) + torch.compile"
+
+
+def remat_compiled(ex, a, budget: int, s: Settings, ref, skeleton, ours, ours_s: float) -> tuple[dict, list[str]]:
+    """Our plan (and the plan solved without SAC, when it differs) rewritten, then compiled."""
+    plans = {REMAT_COMPILE: (ours.regions, ours_s)}
+    if s.no_sac_compiled:
+        t0 = time.perf_counter()
+        # improve_evals=0: the local search adds SAC regions even with sac=False
+        opts = replace(s.opts, solve=replace(s.opts.solve, sac=False, improve_evals=0))
+        plain = solve_plan(a.cost_graph, budget, opts, a.traced.opaque, measure=exact_replay(ex.model, a, ex.loss_fn))
+        if plain.regions != ours.regions:
+            plans[REMAT_NO_SAC_COMPILE] = (plain.regions, a.analyze_s + time.perf_counter() - t0)
+    torch._dynamo.reset()
+    out, notes = {}, []
+    for label, (regions, plan_s) in plans.items():
+        try:
+            out[label] = (compile_rewritten(ex, skeleton, regions, ref), plan_s, regions)
+        except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
+            notes.append(f"{label} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+            break
+    return out, notes
+
+
 def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
-    """Every strategy's row at one budget, and our plan."""
+    """Every strategy's row at one budget, our plan, and notes on the compiled plans."""
     cg = a.cost_graph
     t0 = time.perf_counter()
     ours = solve_plan(cg, budget, s.opts, a.traced.opaque, measure=exact_replay(ex.model, a, ex.loss_fn))
+    ours_s = a.analyze_s + time.perf_counter() - t0
     strategies = {k: (fn(cg), 0.0) for k, fn in BASELINES.items()}
-    strategies["remat (ours)"] = (ours.regions, a.analyze_s + time.perf_counter() - t0)
+    strategies["remat (ours)"] = (ours.regions, ours_s)
     skeleton = solve_plan(cg, 10**18, s.opts)
     runs = {label: run_rewritten(ex, skeleton, regions, ref) for label, (regions, _) in strategies.items()}
-    secs = median_step_s({label: gm for label, (gm, _, _) in runs.items()}, ex, s.repeats)
+    compiled, notes = remat_compiled(ex, a, budget, s, ref, skeleton, ours, ours_s)
+    graphs = graphs_now()
+    secs = median_step_s({label: gm for label, (gm, _, _) in runs.items()}
+                         | {label: c.module for label, (c, _, _) in compiled.items()}, ex, s.repeats)
     rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label] / secs["none"],
                  gflop=timeline(cg, strategies[label][0]).recompute_flops / 1e9, plan_s=strategies[label][1],
-                 same=same, compiled=False) for label, (_, peak, same) in runs.items()]
-    compiled = compile_row(search, budget)
-    return rows + ([compiled] if compiled else []), ours
+                 same=same, compiled=False, checked=True) for label, (_, peak, same) in runs.items()]
+    for label, (c, plan_s, regions) in compiled.items():
+        rows.append(dict(strategy=label, peak=c.peak, fits=c.peak <= budget, ratio=secs[label] / secs["none"],
+                         gflop=None, plan_s=plan_s + c.compile_s, same=c.same, compiled=True, checked=True))
+        notes.append(f"{label}: {len(regions)} region(s), {sum(1 for r in regions if r.saved)} with saved nodes;"
+                     f" {c.graphs} graph(s) compiled; graph breaks: {'; '.join(c.breaks) or 'none'};"
+                     f" compile {c.compile_s:.1f} s; equal to the eager float32 step: {'yes' if c.exact else 'no'}"
+                     + ("" if c.error64 is None else
+                        f"; NOT as close to float64 as float32 eager; the plan compiled in float64 is {c.error64:.1g}"
+                        f" from the float64 step, so {'float32 rounding' if c.same else 'WRONG'}"))
+    if graphs_now() != graphs:
+        notes.append("the timed steps of the compiled plans recompiled (more graphs than after their first step)")
+    compiled_row = compile_row(search, budget)
+    return rows + ([compiled_row | dict(checked=False)] if compiled_row else []), ours, notes
 
 
 def bench_model(name: str, s: Settings) -> ModelResult:
@@ -130,8 +163,9 @@ def bench_model(name: str, s: Settings) -> ModelResult:
     ref = reference(ex)
     search = CompileSearch(ex, ref, s.repeats, s.grid)
     for f, budget in budgets(a.cost_graph, s.fractions, s.opts):
-        rows, ours = budget_rows(ex, a, budget, s, ref, search)
+        rows, ours, notes = budget_rows(ex, a, budget, s, ref, search)
         out.rows += [dict(model=name, fraction=f, budget=budget) | r for r in rows]
+        out.notes += [f"{name} at {f:.0%}: {n}" for n in notes]
         if len(a.cost_graph.nodes) <= exact.MAX_NODES:
             e = exact.exact_row(a.cost_graph, budget, ours, s.opts.safety_margin)
             out.exacts.append(dict(model=name, fraction=f, budget=budget) | e)
@@ -152,14 +186,22 @@ def dropout_note() -> str:
         errs = {f: dropout_recompute_error(f) for f in (1.0, 0.5)}
     except Exception as e:          # compiling fails on this machine: the model notes say why
         return f"dropout toy check not run: {type(e).__name__}"
-    return ("toy check, Linear-GELU-Dropout(0.5) compiled with Inductor's default RNG: largest error of the bias"
+    text = ("toy check, Linear-GELU-Dropout(0.5) compiled with Inductor's default RNG: largest error of the bias"
             " gradient against the one implied by the forward's own mask: "
             + ", ".join(f"{e:.2g} at activation_memory_budget {f:.1f}" for f, e in errs.items()))
+    try:
+        ours = {rng: dropout_region_error(rng) for rng in (False, True)}
+    except Exception as e:
+        return text + f"; the same toy as one of our regions, compiled: not run: {type(e).__name__}"
+    return text + ("; the same toy as one of our regions (dropout recomputed in the backward), compiled: "
+                   f"{ours[False]:.2g} with Inductor's default RNG, {ours[True]:.2g} with fallback_random")
 
 
 def plots(results: dict[str, ModelResult], stem: str) -> tuple[list[Path], list[str]]:
     """A Pareto plot per benchmarked model; a note instead when matplotlib is missing."""
-    from benchmarks.plot import pareto
+    from benchmarks.plot import MARKERS, pareto
+    MARKERS.setdefault(REMAT_COMPILE, "p")              # plot.py's own markers are the other strategies'
+    MARKERS.setdefault(REMAT_NO_SAC_COMPILE, "h")
     done = []
     for name, res in results.items():
         if res.rows:
@@ -174,10 +216,10 @@ def settings(a) -> tuple[list[str], Settings]:
     if a.quick:
         return (a.models or "gpt2,resnet").split(","), Settings(
             tuple(float(x) for x in (a.budgets or "0.5").split(",")),
-            PlanOptions(solve=SolveOptions(time_limit_s=4.0)), a.repeats or 3, QUICK_GRID)
+            PlanOptions(solve=SolveOptions(time_limit_s=4.0)), a.repeats or 3, QUICK_GRID, a.compile_no_sac)
     return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,hf-gpt2").split(","), Settings(
         tuple(float(x) for x in (a.budgets or "0.3,0.5,0.7").split(",")),
-        PlanOptions(solve=SolveOptions(time_limit_s=10.0)), a.repeats or 7, GRID)
+        PlanOptions(solve=SolveOptions(time_limit_s=10.0)), a.repeats or 7, GRID, a.compile_no_sac)
 
 
 def main(argv=None) -> int:
@@ -187,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="defaults to gpt2,resnet at 0.5, 3 repeats, shorter ILP limit, coarser compile grid")
     ap.add_argument("--repeats", type=int, help="timed steps per strategy (default 7)")
+    ap.add_argument("--compile-no-sac", action="store_true",
+                    help="also compile a plan solved without SAC (sac=False, no local search) where it differs")
     a = ap.parse_args(argv)
     models, s = settings(a)
     if set(models) - set(MODELS):
@@ -203,7 +247,7 @@ def main(argv=None) -> int:
     out = RESULTS / f"{stem}.md"
     out.write_text(text)
     print(f"written to {out}")
-    return 0 if all(r["same"] for r in rows if not r["compiled"]) else 1     # torch.compile's are its own
+    return 0 if all(r["same"] for r in rows if r["checked"]) else 1     # torch.compile's own are not ours
 
 
 if __name__ == "__main__":
