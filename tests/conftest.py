@@ -1,4 +1,7 @@
 import copy
+import random
+
+import pulp
 
 import pytest
 import torch
@@ -47,3 +50,22 @@ def train_step(model, example, seed=1):
     loss = example.loss_fn(out)
     loss.backward()
     return out.detach(), loss.detach()
+
+
+def ilp_peaks_of_random_plans(cg, cands, seed: int, p: float, rounds: int):
+    """(regions, the least budget the ILP admits for them, in bytes) for random disjoint plans."""
+    from planner.solve import _model
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        chosen, taken = [], set()
+        for j in rng.sample(range(len(cands)), len(cands)):
+            span = set(range(cands[j].region.start, cands[j].region.end + 1))
+            if taken.isdisjoint(span) and rng.random() < p:
+                chosen.append(j)
+                taken |= span
+        prob, x, B, _, _ = _model(cg, cands, None)
+        prob += B
+        for j, v in enumerate(x):
+            prob += v == int(j in chosen)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+        yield tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start)), pulp.value(B) * 1e6

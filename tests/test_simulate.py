@@ -3,13 +3,12 @@ the simulated peak, plus the 1% safety margin, never falls below the replayed on
 import random
 from dataclasses import replace
 
-import pulp
 import pytest
+from conftest import ilp_peaks_of_random_plans
 
 from planner import solve_plan
 from planner.candidates import candidates
 from planner.simulate import timeline
-from planner.solve import _model
 from runtime.rewrite import rewrite
 from runtime.verify import dry_run_peak
 
@@ -52,20 +51,6 @@ def test_ilp_peak_is_the_simulated_peak(case, name):
     """The ILP's memory model is the simulator's (NOTE [ ILP ]): for fixed regions, the least
     budget it admits is the simulated peak (CBC's tolerances: about a byte per MB)."""
     cg = case(name).analysis.cost_graph
-    cands = candidates(cg)
-    rng = random.Random(1)
-    for _ in range(6):
-        chosen, taken = [], set()
-        for j in rng.sample(range(len(cands)), len(cands)):
-            span = set(range(cands[j].region.start, cands[j].region.end + 1))
-            if taken.isdisjoint(span) and rng.random() < 0.3:
-                chosen.append(j)
-                taken |= span
-        prob, x, B, _, _ = _model(cg, cands, None)
-        prob += B
-        for j, v in enumerate(x):
-            prob += v == int(j in chosen)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False))
-        regions = tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start))
+    for regions, ilp_bytes in ilp_peaks_of_random_plans(cg, candidates(cg), seed=1, p=0.3, rounds=6):
         simulated = timeline(cg, regions).peak_bytes
-        assert pulp.value(B) * 1e6 == pytest.approx(simulated, rel=1e-6), regions
+        assert ilp_bytes == pytest.approx(simulated, rel=1e-6), regions

@@ -3,8 +3,8 @@ force over every plan (no torch)."""
 import math
 import random
 
-import pulp
 import pytest
+from conftest import ilp_peaks_of_random_plans
 
 from planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
 from planner.baselines import sac_keepable
@@ -12,7 +12,7 @@ from planner.candidates import candidates, trivial_nodes
 from planner.costgraph import NodeCost, StorageCost
 from planner.improve import _Judge, improve
 from planner.simulate import timeline
-from planner.solve import _model, solve_ilp
+from planner.solve import solve_ilp
 
 MB = 10**6
 
@@ -178,21 +178,8 @@ def test_ilp_peak_is_the_simulated_peak(seed):
     """For fixed regions, the least budget the ILP admits is the simulated peak, to the byte."""
     cg = random_graph(100 + seed, n=9)
     cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
-    rng = random.Random(seed)
-    for _ in range(10):
-        chosen, taken = [], set()
-        for j in rng.sample(range(len(cands)), len(cands)):
-            span = set(range(cands[j].region.start, cands[j].region.end + 1))
-            if taken.isdisjoint(span) and rng.random() < 0.4:
-                chosen.append(j)
-                taken |= span
-        prob, x, B, _, _ = _model(cg, cands, None)
-        prob += B
-        for j, v in enumerate(x):
-            prob += v == int(j in chosen)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False))
-        regions = tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start))
-        assert pulp.value(B) * 1e6 == pytest.approx(timeline(cg, regions).peak_bytes, abs=1)
+    for regions, ilp_bytes in ilp_peaks_of_random_plans(cg, cands, seed=seed, p=0.4, rounds=10):
+        assert ilp_bytes == pytest.approx(timeline(cg, regions).peak_bytes, abs=1)
 
 
 def test_trivial_nodes_never_end_a_candidate():
