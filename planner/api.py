@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .baselines import BASELINES
+from .baselines import known_plans
 from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
@@ -93,7 +93,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     cands = candidates(cg, options.solve.max_cuts, options.solve.max_span, options.solve.sac)
     # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
     # They bound the smallest feasible budget and warm-start the ILP.
-    known = {name: fn(cg) for name, fn in BASELINES.items() if name != "none"}
+    known = known_plans(cg, options.solve.sac)
     if options.find_min_feasible:
         known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
     peaks = {name: predict(r) for name, r in known.items() if r}

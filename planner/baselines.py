@@ -81,3 +81,10 @@ def sac_every_block(cg: CostGraph) -> tuple[Region, ...]:
 
 BASELINES = {"none": no_checkpointing, "every_block": every_block, "sqrt": sqrt_segments,
              "sac_every_block": sac_every_block}
+
+
+def known_plans(cg: CostGraph, sac: bool = True) -> dict[str, tuple[Region, ...]]:
+    """The hand-made plans (every baseline but "none"); with `sac` False, only those whose regions
+    keep nothing (SolveOptions(sac=False) binds every plan the planner may return)."""
+    plans = {name: fn(cg) for name, fn in BASELINES.items() if name != "none"}
+    return {k: r for k, r in plans.items() if sac or not any(x.saved for x in r)}

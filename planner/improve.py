@@ -42,6 +42,7 @@ class _Pool:
         self.written_late = _written_after_reads(cg)
         self.bad_from: dict[int, int] = {}
         self.cache: dict[Region, Candidate | None] = {}
+        self.sac_ok = True      # set per improve() call: SolveOptions(sac=False) offers no SAC regions
 
     def region(self, r: Region) -> Candidate | None:
         if r not in self.cache:
@@ -59,6 +60,8 @@ class _Pool:
             return None
         if not sac:
             return self.region(Region(a, b))
+        if not self.sac_ok:
+            return None
         heavy = tuple(j for j in range(a, b + 1) if self.keepable[j])
         if not heavy or len(heavy) == b - a + 1:
             return None
@@ -192,11 +195,13 @@ _LAST: list = [None]      # the last graph's pool and judge: solve_plan improves
 
 
 def improve(cg: CostGraph, regions: tuple[Region, ...], budget_bytes: int | None,
-            max_evals: int = 20_000, add_span: int = 24) -> tuple[Region, ...]:
-    """A plan at least as good as `regions` (see the module docstring)."""
+            max_evals: int = 20_000, add_span: int = 24, sac: bool = True) -> tuple[Region, ...]:
+    """A plan at least as good as `regions` (see the module docstring); with `sac` False, every
+    region it adds or reshapes is a plain one (regions keeping nodes are only kept or removed)."""
     if _LAST[0] is None or _LAST[0][0] is not cg:
         _LAST[0] = (cg, _Pool(cg), _Judge(cg))
     _, pool, judge = _LAST[0]
+    pool.sac_ok = sac
     n = len(cg.nodes)
     plan = [pool.region(r) for r in sorted(regions, key=lambda r: r.start)]
     if any(c is None for c in plan):

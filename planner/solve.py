@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from .baselines import BASELINES
+from .baselines import known_plans
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .errors import SolverError
@@ -321,7 +321,7 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     gap = (opts.rel_gap if obj else 0.0) if sol == pulp.LpSolutionOptimal else _lp_gap(prob, x, obj * _US)
     t0 = time.perf_counter()
-    better = improve(cg, regions, budget_bytes, opts.improve_evals) if opts.improve_evals else regions
+    better = improve(cg, regions, budget_bytes, opts.improve_evals, sac=opts.sac) if opts.improve_evals else regions
     solve_s += time.perf_counter() - t0
     if better != regions:
         regions, obj = better, timeline(cg, better).recompute_s
@@ -349,9 +349,9 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     if opts.improve_evals:
         # local search from CBC's plan and from the hand-made plan of least peak: on large graphs
         # (a partial candidate set) the latter sometimes ends lower
-        known = min((fn(cg) for k, fn in BASELINES.items() if k != "none"), key=lambda r: timeline(cg, r).peak_bytes)
+        known = min(known_plans(cg, opts.sac).values(), key=lambda r: timeline(cg, r).peak_bytes, default=())
         starts = [regions] + ([known] if known and known != regions else [])
-        done = [improve(cg, r, None, opts.improve_evals // len(starts)) for r in starts]
+        done = [improve(cg, r, None, opts.improve_evals // len(starts), sac=opts.sac) for r in starts]
         better = min(done, key=lambda r: (timeline(cg, r).peak_bytes, timeline(cg, r).recompute_s))
         if (timeline(cg, better).peak_bytes, timeline(cg, better).recompute_s) < \
                 (timeline(cg, regions).peak_bytes, timeline(cg, regions).recompute_s):

@@ -236,3 +236,14 @@ def test_local_search_scores_plans_as_the_simulator_does(seed):
                 taken |= span
         chosen.sort(key=lambda c: c.region.start)
         assert judge.peak(chosen) == timeline(cg, tuple(c.region for c in chosen)).peak_bytes
+
+
+def test_sac_off_binds_every_plan(case):
+    """SolveOptions(sac=False): no region keeps nodes, whether from the ILP, the local search or a
+    known plan; with SAC on, the same budgets do pick regions that keep nodes."""
+    c = case("mlp")
+    cg, saved = c.analysis.cost_graph, {}
+    for sac in (True, False):
+        opts = PlanOptions(solve=SolveOptions(time_limit_s=4.0, sac=sac))
+        saved[sac] = [any(r.saved for r in solve_plan(cg, c.budget(f), opts).regions) for f in (0.3, 0.5, 0.7)]
+    assert any(saved[True]) and not any(saved[False])
