@@ -1,7 +1,8 @@
 """Running and measuring one training step: result check, median time, allocator peak.
 
-`allocator_peak` meters with the profiler's allocator events instead of a TorchDispatchMode, so
-it can measure torch.compile'd code (Dynamo falls back to eager under a dispatch mode).
+`allocator_peak` meters with the profiler's allocator events (runtime.measure) instead of a
+TorchDispatchMode, so it can measure torch.compile'd code (Dynamo falls back to eager under a
+dispatch mode).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from runtime import measure
 
 
 def step(model, ex, seed=0) -> torch.Tensor:
@@ -79,27 +81,7 @@ def median_step_s(models: dict, ex, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def resident_bytes(model: torch.nn.Module, inputs) -> int:
-    """Bytes of the storages of parameters, buffers, existing grads and inputs (each storage once)."""
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
-               *(x for x in inputs if isinstance(x, torch.Tensor))]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 def allocator_peak(step_fn, model: torch.nn.Module, inputs) -> int:
-    """Peak CPU allocator bytes while `step_fn()` runs, plus what is resident before it.
-
-    Each profiler memory event carries the byte delta of one allocation or free; their running
-    sum from the start of the step is what the step holds on top of the resident tensors. The
-    sum is comparable to runtime.peak_memory, which counts those resident tensors too.
-    """
-    before = resident_bytes(model, inputs)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step_fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return before + peak
+    """Peak CPU allocator bytes of `step_fn()`, resident parameters, buffers, grads and inputs
+    included (runtime.measure.allocator_peak): comparable to runtime.peak_memory."""
+    return measure.allocator_peak(step_fn, model, *inputs)

@@ -35,20 +35,17 @@ of models with dropout (the GPT-2s) can read NO. It is not an artefact of `fallb
 see the toy check below, compiled with Inductor's default RNG."""
 
 
-REMAT_COMPILE = """remat + torch.compile: our plan for the budget (the "remat (ours)" plan), rewritten, then the
-rewritten graph passed to `torch.compile` (Inductor defaults, no activation memory budget;
-`fallback_random=True`, caches off, so the compile time is cold). With `--compile-no-sac`, also
-"remat (no SAC)": a plan solved with SAC off and no local search (which adds SAC regions even with
-`sac=False`), where it differs. Peak: allocator peak, as for torch.compile; planning s: plan plus
-compile. Checked as torch.compile is; where the float32 check fails, the same plan is compiled in
-float64 and compared with the float64 eager step (the notes say so and give its error): the row
-reads yes only if that is within 1e-8. Dynamo (torch 2.13) graph-breaks at every region: our
-regions call `checkpoint` with a `context_fn` that is not a constant to Dynamo, and `checkpoint`
-is itself excluded from Dynamo, so the regions run eagerly (SAC, BatchNorm restore and dropout
-replay as in eager) and only the code between them is compiled; the notes give the graphs and
-breaks of each run. That code is compiled with Inductor's own partitioner, which may save more
-than eager does there: the plan's memory model is eager's, so a compiled plan can exceed the
-budget, and its row then says it does not fit."""
+REMAT_COMPILE = """remat + torch.compile: `plan_and_wrap(model, budget, compile=True)`, as a user
+calls it (runtime/compiled.py). The planner plans plain regions only (no SAC), the rewritten graph
+compiles whole (each region is Dynamo's checkpoint op: no graph breaks; the notes count graphs
+and breaks), and every plan it tries is compiled and its step measured at the allocator, because
+Inductor's partitioner decides what else the compiled step saves; the budget correction loop runs
+on those measured peaks, and a budget below every compiled plan says so, with the smallest
+compiled budget measured. Inductor defaults otherwise; `fallback_random=True` and caches off, so
+compile times are cold. Peak: allocator peak, as for torch.compile; planning s: capture, profile,
+solve and every compile. Checked as torch.compile is; where the float32 check fails, the same plan
+is compiled in float64 and compared with the float64 eager step (the notes say so and give its
+error): the row reads yes only if that is within 1e-8."""
 
 
 def _version(pkg: str) -> str:
@@ -84,8 +81,8 @@ def header(argv: list[str]) -> str:
         " remat + torch.compile), allocator peak from profiler events (see the meter check)",
         "- step time: median over rounds that time one step of each strategy in turn (torch.compile: of it and"
         " the eager model), as a ratio to no checkpointing",
-        "- planning s: trace + profile + solve for ours; for remat + torch.compile, that plus the compile (first"
-        " call); for torch.compile, the compiles (first calls) its search for that budget needs"])
+        "- planning s: trace + profile + solve for ours; for remat + torch.compile, that plus every compile its"
+        " measurements needed; for torch.compile, the compiles (first calls) its search for that budget needs"])
 
 
 def main_table(rows: list[dict]) -> str:

@@ -29,9 +29,8 @@ from benchmarks import exact, report  # noqa: E402
 from benchmarks.measure import allocator_peak, median_step_s, reference, same_result, step  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropout_recompute_error  # noqa: E402
-from benchmarks.strategies_remat_compile import (  # noqa: E402
-    Called, compile_rewritten, dropout_region_error, graphs_now)
-from planner import PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
+from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
+from planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
 from planner.trace import capture  # noqa: E402
@@ -56,7 +55,6 @@ class Settings:
     opts: PlanOptions
     repeats: int
     grid: tuple[float, ...]
-    no_sac_compiled: bool = False   # also compile a plan solved without SAC, when it differs from ours
 
 
 def budgets(cg, fractions, opts: PlanOptions) -> list[tuple[float, int]]:
@@ -97,28 +95,6 @@ def compile_row(search: CompileSearch, budget: int) -> dict | None:
 
 
 REMAT_COMPILE = "remat + torch.compile"
-REMAT_NO_SAC_COMPILE = "remat (no SAC) + torch.compile"
-
-
-def remat_compiled(ex, a, budget: int, s: Settings, ref, skeleton, ours, ours_s: float) -> tuple[dict, list[str]]:
-    """Our plan (and the plan solved without SAC, when it differs) rewritten, then compiled."""
-    plans = {REMAT_COMPILE: (ours.regions, ours_s)}
-    if s.no_sac_compiled:
-        t0 = time.perf_counter()
-        # improve_evals=0: the local search adds SAC regions even with sac=False
-        opts = replace(s.opts, solve=replace(s.opts.solve, sac=False, improve_evals=0))
-        plain = solve_plan(a.cost_graph, budget, opts, a.traced.opaque, measure=exact_replay(ex.model, a, ex.loss_fn))
-        if plain.regions != ours.regions:
-            plans[REMAT_NO_SAC_COMPILE] = (plain.regions, a.analyze_s + time.perf_counter() - t0)
-    torch._dynamo.reset()
-    out, notes = {}, []
-    for label, (regions, plan_s) in plans.items():
-        try:
-            out[label] = (compile_rewritten(ex, skeleton, regions, ref), plan_s, regions)
-        except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
-            notes.append(f"{label} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
-            break
-    return out, notes
 
 
 def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
@@ -131,19 +107,33 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     strategies["remat (ours)"] = (ours.regions, ours_s)
     skeleton = solve_plan(cg, 10**18, s.opts)
     runs = {label: run_rewritten(ex, skeleton, regions, ref) for label, (regions, _) in strategies.items()}
-    compiled, notes = remat_compiled(ex, a, budget, s, ref, skeleton, ours, ours_s)
+    torch._dynamo.reset()
+    compiled, notes = {}, []
+    try:
+        c = remat_compiled(ex, budget, s.opts, ref)
+    except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
+        notes.append(f"{REMAT_COMPILE} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+    else:
+        if isinstance(c, InfeasibleBudgetError):
+            notes.append(f"{REMAT_COMPILE}: no compiled plan fits; smallest compiled budget (measured) "
+                         f"{c.min_feasible_bytes / 1e6:.2f} MB")
+        else:
+            compiled[REMAT_COMPILE] = c
     graphs = graphs_now()
     secs = median_step_s({label: gm for label, (gm, _, _) in runs.items()}
-                         | {label: c.module for label, (c, _, _) in compiled.items()}, ex, s.repeats)
+                         | {label: c.module for label, c in compiled.items()}, ex, s.repeats)
     rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label] / secs["none"],
                  gflop=timeline(cg, strategies[label][0]).recompute_flops / 1e9, plan_s=strategies[label][1],
                  same=same, compiled=False, checked=True) for label, (_, peak, same) in runs.items()]
-    for label, (c, plan_s, regions) in compiled.items():
+    for label, c in compiled.items():
+        regions = c.plan.regions
         rows.append(dict(strategy=label, peak=c.peak, fits=c.peak <= budget, ratio=secs[label] / secs["none"],
-                         gflop=None, plan_s=plan_s + c.compile_s, same=c.same, compiled=True, checked=True))
-        notes.append(f"{label}: {len(regions)} region(s), {sum(1 for r in regions if r.saved)} with saved nodes;"
-                     f" {c.graphs} graph(s) compiled; graph breaks: {'; '.join(c.breaks) or 'none'};"
-                     f" compile {c.compile_s:.1f} s; equal to the eager float32 step: {'yes' if c.exact else 'no'}"
+                         gflop=timeline(cg, regions).recompute_flops / 1e9, plan_s=c.plan_s, same=c.same,
+                         compiled=True, checked=True))
+        notes.append(f"{label}: {len(regions)} region(s), planned peak {c.plan.predicted_peak_bytes / 1e6:.2f} MB"
+                     f" (measured compiled, +1%); {c.graphs} graph(s) compiled while planning;"
+                     f" graph breaks: {'; '.join(c.breaks) or 'none'};"
+                     f" equal to the eager float32 step: {'yes' if c.exact else 'no'}"
                      + ("" if c.error64 is None else
                         f"; NOT as close to float64 as float32 eager; the plan compiled in float64 is {c.error64:.1g}"
                         f" from the float64 step, so {'float32 rounding' if c.same else 'WRONG'}"))
@@ -201,7 +191,6 @@ def plots(results: dict[str, ModelResult], stem: str) -> tuple[list[Path], list[
     """A Pareto plot per benchmarked model; a note instead when matplotlib is missing."""
     from benchmarks.plot import MARKERS, pareto
     MARKERS.setdefault(REMAT_COMPILE, "p")              # plot.py's own markers are the other strategies'
-    MARKERS.setdefault(REMAT_NO_SAC_COMPILE, "h")
     done = []
     for name, res in results.items():
         if res.rows:
@@ -216,10 +205,10 @@ def settings(a) -> tuple[list[str], Settings]:
     if a.quick:
         return (a.models or "gpt2,resnet").split(","), Settings(
             tuple(float(x) for x in (a.budgets or "0.5").split(",")),
-            PlanOptions(solve=SolveOptions(time_limit_s=4.0)), a.repeats or 3, QUICK_GRID, a.compile_no_sac)
+            PlanOptions(solve=SolveOptions(time_limit_s=4.0)), a.repeats or 3, QUICK_GRID)
     return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,hf-gpt2").split(","), Settings(
         tuple(float(x) for x in (a.budgets or "0.3,0.5,0.7").split(",")),
-        PlanOptions(solve=SolveOptions(time_limit_s=10.0)), a.repeats or 7, GRID, a.compile_no_sac)
+        PlanOptions(solve=SolveOptions(time_limit_s=10.0)), a.repeats or 7, GRID)
 
 
 def main(argv=None) -> int:
@@ -229,8 +218,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="defaults to gpt2,resnet at 0.5, 3 repeats, shorter ILP limit, coarser compile grid")
     ap.add_argument("--repeats", type=int, help="timed steps per strategy (default 7)")
-    ap.add_argument("--compile-no-sac", action="store_true",
-                    help="also compile a plan solved without SAC (sac=False, no local search) where it differs")
     a = ap.parse_args(argv)
     models, s = settings(a)
     if set(models) - set(MODELS):

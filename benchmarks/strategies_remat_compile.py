@@ -1,18 +1,12 @@
-"""Our plan, then torch.compile: the model rewritten with the plan's regions, compiled by Inductor.
+"""Ours, compiled: `plan_and_wrap(model, budget, compile=True)`, called as a user calls it.
 
-The rewritten fx GraphModule (runtime.rewrite) is passed to `torch.compile` as it is; the input
-mapping stays outside it. Inductor runs with its defaults (no activation memory budget) and, as
-for the torch.compile strategy, `fallback_random=True` and the FX graph / AOTAutograd caches off,
-so dropout draws eager's masks, the result can be checked against the float64 eager step, and the
-compile time is a cold one.
-
-What Dynamo does with it (torch 2.13): every CheckpointRegion calls `checkpoint(...,
-context_fn=functools.partial(self._contexts, args))`; Dynamo takes a checkpoint with a
-`context_fn` only when it is a plain function or a partial of constants, so it graph-breaks there
-("Not a Python constant"), and `torch.utils.checkpoint.checkpoint` is itself
-`torch._disable_dynamo`: the regions run eagerly (SAC policy, buffer restore and RNG replay as in
-eager), and only the code between regions is compiled, one graph per gap. The number of graphs
-and the break reasons are recorded per run.
+In compile mode the planner plans plain regions only, the rewritten graph compiles whole (each
+region is Dynamo's checkpoint op: no graph breaks), and every plan it tries is compiled and
+measured with real steps, since Inductor's partitioner decides what else the step saves
+(runtime.compiled). Inductor runs with its defaults plus, as for the torch.compile strategy,
+`fallback_random=True` and the FX graph / AOTAutograd caches off, so dropout draws eager's masks,
+the result can be checked against the float64 eager step, and compile times are cold ones.
+Planning time here includes every compile.
 """
 from __future__ import annotations
 
@@ -26,10 +20,11 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from planner import analyze, solve_plan
+from planner import InfeasibleBudgetError, PlanOptions, analyze, solve_plan
 from planner.profile import compute_nodes
-from planner.result import Region
+from planner.result import Plan, Region
 from planner.trace import capture
+from runtime.api import plan_and_wrap
 from runtime.rewrite import rewrite
 
 from .measure import allocator_peak, as_close_as_eager, same_result, step
@@ -53,40 +48,53 @@ def rewritten(ex, skeleton, regions) -> tuple[torch.nn.Module, torch.fx.GraphMod
     return model, rewrite(model, traced.gm, replace(skeleton, regions=regions)), traced
 
 
+def _cold():
+    return (functorch_config.patch(enable_autograd_cache=False),
+            inductor_config.patch(fallback_random=True, fx_graph_cache=False))
+
+
 @dataclass
 class RematCompiled:
-    module: torch.nn.Module     # called like the model; the compiled rewritten graph inside
+    module: torch.nn.Module     # the wrapped model, its compiled plan inside
+    plan: Plan
     peak: int                   # allocator peak of one step, resident tensors included
-    compile_s: float            # first call: Dynamo + Inductor, forward and backward, plus one step
+    plan_s: float               # plan_and_wrap: capture, profile, solve, and every compile it ran
     same: bool                  # as close to the float64 eager step as float32 eager is, or (when not)
                                 # the same plan compiled in float64 equals the float64 eager step
     exact: bool                 # equal to the eager float32 step up to float32 noise (stricter)
     error64: float | None       # float64 check, run only when the float32 check fails
-    graphs: int                 # graphs Dynamo compiled
+    graphs: int                 # graphs Dynamo compiled while planning (one per plan measured)
     breaks: tuple[str, ...]     # distinct graph-break reasons (first line each)
 
 
-def compile_rewritten(ex, skeleton, regions, ref) -> RematCompiled:
-    """Compile the model rewritten with `regions`, run one step, check it and meter a second.
-    No `torch._dynamo.reset()` here: the caller resets once, so that the modules compiled for one
-    budget stay compiled together for the round-robin timing."""
+def remat_compiled(ex, budget: int, opts: PlanOptions, ref) -> RematCompiled | InfeasibleBudgetError:
+    """plan_and_wrap(..., compile=True) on a fresh copy at `budget` bytes; its step checked and
+    metered. No `torch._dynamo.reset()` here: the caller resets once per budget."""
     graphs0, breaks0 = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
-    model, gm, traced = rewritten(ex, skeleton, regions)
-    called = Called(torch.compile(gm), lambda args: traced.inputs(model, args, {}))
+    model = copy.deepcopy(ex.model)
     t0 = time.perf_counter()
-    with functorch_config.patch(enable_autograd_cache=False), \
-            inductor_config.patch(fallback_random=True, fx_graph_cache=False):
-        loss = step(called, ex)
-    compile_s = time.perf_counter() - t0
+    a, b = _cold()
+    with a, b:
+        try:
+            wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, loss_fn=ex.loss_fn,
+                                    options=opts, compile=True)
+        except InfeasibleBudgetError as e:
+            return e
+        plan_s = time.perf_counter() - t0
+        loss = step(wrapped, ex)
     same, exact = as_close_as_eager(model, loss, ref), same_result(model, loss, ref)
     model.zero_grad(set_to_none=True)
-    peak = allocator_peak(lambda: step(called, ex), model, ex.inputs)
+    peak = allocator_peak(lambda: step(wrapped, ex), model, ex.inputs)
     model.zero_grad(set_to_none=True)
     breaks = tuple(sorted({k.strip().splitlines()[0][:120] for k, v in counters["graph_break"].items()
                            if v > breaks0.get(k, 0)}))
     graphs = counters["stats"]["unique_graphs"] - graphs0
-    error64 = None if same else float64_error(ex, skeleton, regions, ref)
-    return RematCompiled(called, peak, compile_s, same or error64 <= MAX_ERROR64, exact, error64, graphs, breaks)
+    error64 = None
+    if not same:
+        skeleton = solve_plan(analyze(ex.model, ex.inputs, None, ex.loss_fn).cost_graph, 10**18)
+        error64 = float64_error(ex, skeleton, wrapped.plan.regions, ref)
+    return RematCompiled(wrapped, wrapped.plan, peak, plan_s, same or error64 <= MAX_ERROR64, exact, error64,
+                         graphs, breaks)
 
 
 MAX_ERROR64 = 1e-8
@@ -103,8 +111,8 @@ def float64_error(ex, skeleton, regions, ref) -> float:
     ex64 = ex._replace(model=model, inputs=tuple(x.double() if x.is_floating_point() else x for x in ex.inputs))
     model, gm, traced = rewritten(ex64, skeleton, regions)      # node names do not depend on the dtype
     called = Called(torch.compile(gm), lambda args: traced.inputs(model, args, {}))
-    with functorch_config.patch(enable_autograd_cache=False), \
-            inductor_config.patch(fallback_random=True, fx_graph_cache=False):
+    a, b = _cold()
+    with a, b:
         loss = step(called, ex64)
     errs = [abs(loss - ref.loss64).item() / max(abs(ref.loss64.item()), 1e-12)]
     errs += [((p.grad - g64).abs().max() / g64.abs().max().clamp_min(1e-12)).item()

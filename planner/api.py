@@ -45,7 +45,7 @@ def budget_to_bytes(budget_gb) -> int:
         raise ValueError(f"budget must be a number of GB, got {budget_gb!r}")
     if math.isnan(budget_gb) or math.isinf(budget_gb) or budget_gb <= 0:
         raise ValueError(f"budget must be a positive, finite number of GB, got {budget_gb!r}")
-    return int(budget_gb * GB)
+    return int(round(budget_gb * GB))
 
 
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
@@ -75,8 +75,8 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     """Least-recompute Plan whose predicted peak is at most `budget_bytes`.
 
     `measure(regions) -> bytes`, when given, replays a plan exactly (runtime.verify's fake-tensor
-    dry run); the replay is then the prediction, and the budget the ILP sees is corrected by it
-    (see `_fit`). Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with
+    dry run, or runtime.compiled's measured compiled step); the replay is then the prediction, and
+    the budget the ILP sees is corrected by it (see `_fit`), also when no regions seem needed. Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with
     the smallest feasible budget) when no plan fits.
     """
     margin = 1.0 + options.safety_margin
@@ -85,8 +85,9 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     base = dict(budget_bytes=int(budget_bytes), unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
                 node_names=tuple(c.name for c in cg.nodes),
                 total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
-    if unplanned <= budget_bytes:
-        return _finish(cg, Plan(regions=(), predicted_peak_bytes=unplanned, min_feasible_bytes=None,
+    measured = None if measure is None or unplanned > budget_bytes else math.ceil(measure(()) * margin)
+    if unplanned <= budget_bytes and (measured is None or measured <= budget_bytes):
+        return _finish(cg, Plan(regions=(), predicted_peak_bytes=measured or unplanned, min_feasible_bytes=None,
                                 solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
                                 recompute_flops=0, recompute_s=0.0, **base))
     t0 = time.perf_counter()
@@ -100,14 +101,14 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
     regions, solver, status, gap, predicted, effective = _fit(cg, budget_bytes, options, cands, known, peaks,
                                                               predict, measure, margin)
-    if min_feasible is not None:
-        min_feasible += max(0, budget_bytes - effective)
+    if min_feasible is not None:        # corrected as the budget was; never above a plan that fits
+        min_feasible = min(min_feasible + max(0, budget_bytes - effective), predicted)
     tl = timeline(cg, regions)
     plan = _finish(cg, Plan(regions=regions, predicted_peak_bytes=predicted,
                             min_feasible_bytes=min_feasible, solver=solver, status=status, gap=gap,
                             solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
-    replay = "the exact replay on fake tensors" if measure else "simulated only (no exact replay)"
+    replay = getattr(measure, "what", "the exact replay on fake tensors") if measure else "simulated only (no exact replay)"
     return replace(plan, notes=plan.notes + (f"predicted peak: {replay}, plus {options.safety_margin:.0%}",))
 
 

@@ -1,6 +1,7 @@
 """plan_and_wrap(): the model a user trains, with checkpoint regions that fit the budget."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -11,6 +12,7 @@ from planner.errors import TraceError
 from planner.result import Plan
 from planner.simulate import timeline
 
+from .compiled import CompiledReplay
 from .modules import checkpointing, plan_modules
 from .rewrite import adopt, rewrite
 from .verify import dry_run_peak
@@ -64,12 +66,13 @@ class RematModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, budget_bytes: int, loss_fn: Callable | None,
-                 options: PlanOptions):
+                 options: PlanOptions, compile: dict | None = None):
         super().__init__()
         adopt(self, model)
         self._model = (model,)                 # tuples keep these out of the module tree
         self.train(model.training)
         self._budget_bytes, self._loss_fn, self._options = budget_bytes, loss_fn, options
+        self._compile = compile                # torch.compile kwargs: plans are for the compiled step
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
 
@@ -96,9 +99,17 @@ class RematModule(torch.nn.Module):
             try:
                 a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
             except TraceError as e:             # no graph at all: plan over the module tree
+                if self._compile is not None:
+                    raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
+                                              "compile (the module tree is planned, eagerly)") from e
                 p = plan_modules(model, args, kwargs, self._loss_fn, self._budget_bytes, self._options, e.cause)
                 self._plans[key] = (p, None, None)
             else:
+                if self._compile is not None:
+                    self._plans[key] = _plan_compiled(model, a, self._budget_bytes, self._loss_fn,
+                                                      self._options, self._compile)
+                    self._last = key
+                    return self._plans[key][0]
                 p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque,
                                measure=exact_replay(model, a, self._loss_fn))
                 self._plans[key] = (p, rewrite(model, a.traced.gm, p), a.traced)
@@ -119,8 +130,18 @@ class RematModule(torch.nn.Module):
         return gm(**traced.inputs(model, args, kwargs))
 
 
+def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
+    """A plan for the compiled step (runtime.compiled): plain regions only (a SAC policy cannot be
+    compiled into the graph), each plan tried measured compiled; (plan, compiled graph, Traced)."""
+    replay = CompiledReplay(model, a, loss_fn, compile_kwargs)
+    options = replace(options, solve=replace(options.solve, sac=False))
+    p = solve_plan(a.cost_graph, budget_bytes, options, a.traced.opaque, measure=replay)
+    return p, replay.module(p.regions), a.traced
+
+
 def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, example_kwargs=None,
-                  loss_fn: Callable | None = None, options: PlanOptions = PlanOptions()) -> RematModule:
+                  loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
+                  compile: bool | dict = False) -> RematModule:
     """Wrap `model` so that one training step fits `budget_gb` (10^9 bytes) at the least recompute.
 
     With example inputs the plan is made now (errors surface here); without, at the first call.
@@ -128,13 +149,19 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=No
     (output -> scalar) to have the loss planned exactly, else room is left for a loss that keeps
     one tensor of the output's size.
 
+    `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
+    and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
+    tried is compiled and measured with real steps on the example inputs, since Inductor decides
+    what else to save; the plan's predicted peak is that measured peak.
+
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     >>> w = plan_and_wrap(m, 1.0, example_inputs=(torch.randn(32, 64),))
     >>> w.plan.regions, w.state_dict().keys() == m.state_dict().keys()
     ((), True)
     """
-    wrapped = RematModule(model, budget_to_bytes(budget_gb), loss_fn, options)
+    compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
+    wrapped = RematModule(model, budget_to_bytes(budget_gb), loss_fn, options, compile_kwargs)
     if example_inputs is not None or example_kwargs is not None:
         wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
     return wrapped

@@ -5,6 +5,7 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 from planner.storage import LiveBytes
@@ -21,13 +22,16 @@ def _tensors(things) -> list[torch.Tensor]:
     return out
 
 
-def peak_memory(step_fn: Callable[[], object], *live, device: str | torch.device = "cpu") -> int:
+def peak_memory(step_fn: Callable[[], object], *live, device: str | torch.device = "cpu",
+                allocator: bool = False) -> int:
     """Peak bytes of live tensors while `step_fn()` runs.
 
     `live` names what exists before the step and counts toward its peak, as in the planner's
     budget: modules (their parameters, buffers and existing grads) and input tensors.
     On CPU, storages are tracked at the dispatcher (not RSS); on CUDA, the caching allocator's
-    `max_memory_allocated` is used and `live` is already counted by it.
+    `max_memory_allocated` is used and `live` is already counted by it. With `allocator` on CPU,
+    the allocator's own events are summed instead (`allocator_peak`): torch.compile'd code runs
+    eagerly under a dispatcher mode, so compiled steps are metered that way.
 
     >>> lin = torch.nn.Linear(100, 100)
     >>> x = torch.randn(10, 100)
@@ -41,9 +45,29 @@ def peak_memory(step_fn: Callable[[], object], *live, device: str | torch.device
         step_fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
+    if allocator:
+        return allocator_peak(step_fn, *live)
     with LiveBytes(baseline=_tensors(live)) as meter:
         step_fn()
     return meter.peak_bytes
+
+
+def allocator_peak(step_fn: Callable[[], object], *live) -> int:
+    """Peak CPU allocator bytes while `step_fn()` runs, plus the bytes of `live` (each storage once).
+
+    Each profiler memory event carries the byte delta of one allocation or free; their running
+    sum from the start of the step is what the step holds on top of what existed before it.
+    """
+    resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step_fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return sum(resident.values()) + peak
 
 
 @contextlib.contextmanager

@@ -122,6 +122,12 @@ class CheckpointRegion(torch.nn.Module):
         def run(*rest_args):
             it = iter(rest_args)
             return gm(*(buffers[i] if i in buffers else next(it) for i in range(len(args))))
+        if not self.saved and torch.compiler.is_compiling():
+            # Under torch.compile, a plain region becomes Dynamo's checkpoint op in the one graph:
+            # AOTAutograd recomputes it in the backward graph, where buffer writes and RNG are
+            # functional (nothing to restore), and Inductor fuses it. A SAC region's policy reads
+            # scope markers Dynamo cannot trace: it graph-breaks and runs as in eager.
+            return checkpoint(run, *rest, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(run, *rest, use_reentrant=False, preserve_rng_state=True,
                           context_fn=functools.partial(self._contexts, args))
 

@@ -1,0 +1,67 @@
+"""Plans for torch.compile: the step that runs is Inductor's, so each plan's peak is measured.
+
+Under `torch.compile` a plain region (one that keeps no nodes) becomes Dynamo's checkpoint op
+inside the one graph (runtime.rewrite), and AOTAutograd's partitioner decides what else the
+compiled step saves between regions. That is not the eager step the fake replay models:
+Inductor can save more (a compiled unplanned ResNet with BatchNorm peaks 3 MB above eager) or
+less. So `compiled_replay` is the `measure` for `solve_plan` in compile mode: it compiles the
+model rewritten with the regions asked about, runs two real steps on the example inputs (the
+first compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at
+the allocator. The planner's budget correction loop (planner.api._fit) then works on measured
+compiled peaks, and the compiled module of the chosen plan is kept for training.
+
+This runs real steps at the real size: the machine planning must have the memory of the step.
+"""
+from __future__ import annotations
+
+import torch
+
+from planner.result import Plan
+
+from .measure import peak_memory, preserved
+from .rewrite import rewrite
+from .verify import training_loss
+
+
+class CompiledReplay:
+    """measure(regions) -> peak bytes of the compiled, rewritten step; compiled modules by plan."""
+
+    what = "the compiled step, measured at the allocator (a real step per plan tried)"
+
+    def __init__(self, model: torch.nn.Module, analysis, loss_fn, compile_kwargs: dict):
+        self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
+        self.compile_kwargs = compile_kwargs
+        self.compiled: dict[tuple, torch.nn.Module] = {}
+        self.peaks: dict[tuple, int] = {}
+        self.names = tuple(c.name for c in analysis.cost_graph.nodes)
+
+    def module(self, regions) -> torch.nn.Module:
+        """The compiled model rewritten with `regions` (compiled once per plan)."""
+        key = tuple(regions)
+        if key not in self.compiled:
+            skeleton = Plan(regions=key, budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
+                            min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0,
+                            forward_s=0.0, solver="", status="", gap=0.0, solve_s=0.0, node_names=self.names)
+            gm = rewrite(self.model, self.analysis.traced.gm, skeleton)
+            self.compiled[key] = torch.compile(gm, **self.compile_kwargs)
+        return self.compiled[key]
+
+    def _step(self, compiled) -> None:
+        training_loss(compiled(**self.analysis.example_inputs), self.loss_fn).backward()
+
+    def __call__(self, regions) -> int:
+        key = tuple(regions)
+        if key not in self.peaks:
+            compiled = self.module(key)
+            inputs = [x for x in self.analysis.example_inputs.values() if isinstance(x, torch.Tensor)]
+            device = next((x.device for x in inputs), torch.device("cpu"))
+            with preserved(self.model):
+                for p in self.model.parameters():
+                    p.grad = None
+                self._step(compiled)                    # compiles (forward and backward graphs)
+                for p in self.model.parameters():
+                    p.grad = None
+                self.peaks[key] = peak_memory(lambda: self._step(compiled), self.model, *inputs,
+                                              device=device, allocator=True)
+        return self.peaks[key]
+

@@ -1,0 +1,76 @@
+"""plan_and_wrap(..., compile=True): the rewritten graph compiles whole, trains like the original,
+and its measured compiled peak is within the budget."""
+import copy
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch._dynamo.utils import counters
+
+from runtime import examples
+from runtime.api import plan_and_wrap
+from runtime.measure import peak_memory
+
+from conftest import FAST
+
+
+def _compiled(name, budget_bytes):
+    ex = examples.EXAMPLES[name]()
+    ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
+    torch._dynamo.reset()
+    counters.clear()
+    wrapped = plan_and_wrap(model, budget_bytes / 1e9, example_inputs=ex.inputs, loss_fn=ex.loss_fn,
+                            options=FAST, compile=True)
+    return ex, ref, model, wrapped
+
+
+def _step(m, ex):
+    torch.manual_seed(1)
+    loss = ex.loss_fn(m(*ex.inputs))
+    loss.backward()
+    return loss.detach()
+
+
+def _error(loss, model, loss64, ref64) -> float:
+    """Largest relative difference to the float64 step: of the loss, and of each grad (to its max)."""
+    errs = [abs(loss.double() - loss64).item() / abs(loss64.item())]
+    errs += [((p.grad.double() - q.grad).abs().max() / q.grad.abs().max()).item()
+             for p, q in zip(model.parameters(), ref64.parameters())]
+    return max(errs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+@inductor_config.patch(fallback_random=True)        # dropout draws eager's masks, to compare with eager
+def test_compiled_plan_fits_and_trains_like_the_original(case, name):
+    c = case(name)
+    budget = c.budget(0.7)
+    ex, ref, model, wrapped = _compiled(name, budget)
+    plan = wrapped.plan
+    assert plan.regions and not any(r.saved for r in plan.regions)
+    assert plan.predicted_peak_bytes <= budget
+    assert "compiled step" in " ".join(plan.notes)
+    # one graph per plan tried, and no graph breaks: the regions are compiled in
+    assert not counters["graph_break"]
+    # compiled float32 arithmetic is not eager's: both are compared with the float64 eager step,
+    # and the compiled one must be as close as eager float32 is (a wrong dropout mask or a
+    # BatchNorm statistic updated twice is off by orders of magnitude more)
+    ref64 = copy.deepcopy(ref).double()
+    ex64 = ex._replace(inputs=tuple(x.double() if x.is_floating_point() else x for x in ex.inputs))
+    loss64 = _step(ref64, ex64)
+    compiled, eager = (_error(_step(m, ex), m, loss64, ref64) for m in (wrapped, ref))
+    assert compiled <= 2 * eager + 1e-5, (compiled, eager)
+    for b, r in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, r)
+    model.zero_grad(set_to_none=True)
+    measured = peak_memory(lambda: _step(wrapped, ex), model, *ex.inputs, allocator=True)
+    assert measured <= budget
+
+
+def test_compiled_budget_below_the_compiled_floor_names_it(case):
+    """ResNet's compiled step saves more than its eager one: a budget the eager plan meets can be
+    below every compiled plan; the error names the smallest compiled budget, measured."""
+    from planner import InfeasibleBudgetError
+    c = case("resnet")
+    with pytest.raises(InfeasibleBudgetError) as e:
+        _compiled("resnet", c.min_feasible)
+    assert e.value.min_feasible_bytes > c.min_feasible
