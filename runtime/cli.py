@@ -70,7 +70,7 @@ def _json(obj) -> str:
 
 # ----------------------------------------------------------------------------- commands
 def _options(a) -> PlanOptions:
-    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit))
+    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)))
 
 
 def _budget_text(text: str, budget: tuple[str, float]) -> str:
@@ -97,7 +97,9 @@ def _solve(a, say):
     loaded, analysis, budget_bytes = _prepare(a, say)
     try:
         with model_code(f"cannot plan {loaded.label}"):
-            return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a))
+            if a.compile:
+                say("compile mode: every plan tried is compiled and run for real (a compile each) ...")
+            return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a), a.compile)
     except InfeasibleBudgetError as e:
         _does_not_fit(a, e, loaded.label)
         return None
@@ -138,7 +140,7 @@ def cmd_check(a, say) -> int:
     if a.measure:
         say("running one real training step to measure its peak ...")
         with model_code(f"the real training step of {loaded.label} failed"):
-            measured_bytes = measure_peak_bytes(loaded, analysis, plan)
+            measured_bytes = measure_peak_bytes(loaded, analysis, plan, a.compile)
     fits, reason = _check_verdict(plan, cap_pct, measured_bytes)
     if a.json:
         print(_json({"fits": fits, "model": loaded.label, "reason": reason, "budget_bytes": plan.budget_bytes,
@@ -304,6 +306,10 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-plot", action="store_true", help="the table only (no matplotlib needed)")
     for p in (report, check, sweep):
         _common(p)
+    for p in (report, check):
+        p.add_argument("--compile", action="store_true",
+                       help="plan for the torch.compile'd step: each plan tried is compiled and its real step "
+                            "measured (plain regions only; a compile per plan)")
     return ap
 
 

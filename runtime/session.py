@@ -17,6 +17,7 @@ import importlib.util
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -28,9 +29,11 @@ from planner.result import Plan
 
 from . import examples, zoo
 from .api import exact_replay
+from .compiled import CompiledReplay
 from .budget import UsageError
 from .measure import peak_memory, preserved
 from .rewrite import rewrite
+from .verify import training_loss
 
 
 class ModelError(UsageError):
@@ -123,22 +126,20 @@ def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions) -> int:
     return solve_plan(cg, 10**18, options).unplanned_peak_bytes
 
 
-def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions) -> Plan:
+def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions,
+                 compiled: bool = False) -> Plan:
     """The least-recompute plan for the budget, every candidate replayed exactly on fake tensors
-    (simulated only when the graph has opaque modules). Raises InfeasibleBudgetError."""
-    return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque,
-                      measure=exact_replay(loaded.model, analysis, loaded.loss_fn))
+    (with opaque modules, the larger of that and the simulator) or, `compiled`, compiled and run
+    for real (runtime.compiled; plain regions only). Raises InfeasibleBudgetError."""
+    if compiled:
+        options = replace(options, solve=replace(options.solve, sac=False))
+        measure = CompiledReplay(loaded.model, analysis, loaded.loss_fn, {})
+    else:
+        measure = exact_replay(loaded.model, analysis, loaded.loss_fn)
+    return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque, measure=measure)
 
 
 # ----------------------------------------------------------------------------- real steps
-def _loss(out, loss_fn):
-    """The user's loss, or the planner's stand-in: one tensor of the output's size is kept."""
-    if loss_fn is not None:
-        return loss_fn(out)
-    return sum(t.float().exp().sum() for t in tree_flatten(out)[0]
-               if isinstance(t, torch.Tensor) and t.requires_grad)
-
-
 def _device(loaded: Loaded) -> torch.device:
     tensors = [t for t in tree_flatten((loaded.args, loaded.kwargs))[0] if isinstance(t, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
@@ -158,12 +159,15 @@ def _step_fn(loaded: Loaded, forward: Callable) -> Callable:
     def step():
         for p in params:
             p.grad = None
-        _loss(forward(), loaded.loss_fn).backward()
+        training_loss(forward(), loaded.loss_fn).backward()
     return step
 
 
-def measure_peak_bytes(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> int:
-    """Peak live bytes of one real training step under the plan (None: without one)."""
+def measure_peak_bytes(loaded: Loaded, analysis: Analysis, plan: Plan | None, compiled: bool = False) -> int:
+    """Peak live bytes of one real training step under the plan (None: without one); `compiled`:
+    the rewritten model compiled afresh, its second step metered at the allocator."""
+    if compiled:
+        return CompiledReplay(loaded.model, analysis, loaded.loss_fn, {})(plan.regions if plan else ())
     step = _step_fn(loaded, _forward_fn(loaded, analysis, plan))
     with preserved(loaded.model):
         return peak_memory(step, loaded.model, *loaded.args, *loaded.kwargs.values(), device=_device(loaded))

@@ -210,6 +210,20 @@ def test_check_fits_and_measures(models):
     assert len(r.stdout.strip().splitlines()) == 1
 
 
+def test_check_compiled_measures_the_compiled_step(models):
+    """--compile: plain regions planned against the compiled step's measured peak, which is
+    measured again afresh (--measure) and is within the budget."""
+    r = remat("check", f"{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] and d["measured_peak_bytes"] <= d["budget_bytes"]
+    assert d["predicted_peak_bytes"] <= d["budget_bytes"]
+    rep = remat("report", f"{models}:make", "--budget", "60%", "--compile", "--json", *FAST)
+    plan = json.loads(rep.stdout)["plan"]
+    assert plan["regions"] and not any(reg["saved"] for reg in plan["regions"])
+    assert any("compiled step" in n for n in plan["notes"])
+
+
 def test_check_too_small(models):
     text, js = start("check", f"{models}:make", "--budget", "1%", *FAST), \
         start("check", f"{models}:make", "--budget", "1%", "--json", *FAST)
