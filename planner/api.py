@@ -85,7 +85,9 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     base = dict(budget_bytes=int(budget_bytes), unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
                 node_names=tuple(c.name for c in cg.nodes),
                 total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
-    measured = None if measure is None or unplanned > budget_bytes else math.ceil(measure(()) * margin)
+    # the simulator is exact on the unplanned step, except for what it does not model (compiled code)
+    replay_unplanned = measure is not None and (unplanned <= budget_bytes or not getattr(measure, "eager", True))
+    measured = math.ceil(measure(()) * margin) if replay_unplanned else None
     if unplanned <= budget_bytes and (measured is None or measured <= budget_bytes):
         return _finish(cg, Plan(regions=(), predicted_peak_bytes=measured or unplanned, min_feasible_bytes=None,
                                 solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
@@ -117,30 +119,43 @@ def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margi
 
     The simulator is conservative for some plans and the replay is exact, so the effective budget
     the ILP sees is tightened when a plan replays over budget and loosened when it lands well
-    under (a few rounds at most)."""
+    under; once one effective budget gave a plan over and another one under (or none at all),
+    the next is halfway between. `measure.rounds` solves at most (4 by default)."""
     best, effective = None, budget_bytes
-    for _ in range(4):
+    under = over = predicted = None      # highest effective budget to go up from, lowest to go down from
+    for _ in range(getattr(measure, "rounds", 4)):
         try:
             regions, solver, status, gap = _choose(cg, effective, options, cands, known, peaks, predict)
         except InfeasibleBudgetError as e:
-            if best is not None:
-                break
-            return _known_or_raise(known, measure, margin, budget_bytes, predict, effective,
-                                   e.min_feasible_bytes + max(0, budget_bytes - effective))
-        predicted = predict(regions) if measure is None else math.ceil(measure(regions) * margin)
-        if predicted <= budget_bytes:
-            cost = timeline(cg, regions).recompute_s
-            if best is None or cost < best[0]:
-                best = (cost, (regions, solver, status, gap, predicted, effective))
-            slack = budget_bytes - predicted
-            if measure is None or slack < 0.01 * budget_bytes:
-                break
-            effective += slack
+            if best is None and over is None:
+                return _known_or_raise(known, measure, margin, budget_bytes, predict, effective,
+                                       e.min_feasible_bytes + max(0, budget_bytes - effective))
+            go_up, step = True, 0              # no plan this tight: between here and `over`
         else:
-            effective -= predicted - budget_bytes
+            predicted = predict(regions) if measure is None else math.ceil(measure(regions) * margin)
+            go_up, step = predicted <= budget_bytes, abs(budget_bytes - predicted)
+            if go_up:
+                cost = timeline(cg, regions).recompute_s
+                if best is None or cost < best[0]:
+                    best = (cost, (regions, solver, status, gap, predicted, effective))
+                if measure is None or step < 0.01 * budget_bytes:
+                    break
+        if go_up:
+            under = effective if under is None else max(under, effective)
+        else:
+            over = effective if over is None else min(over, effective)
+        if under is not None and over is not None:
+            if under >= over:                  # not monotone: keep the best found
+                break
+            nxt = (under + over) // 2
+        else:
+            nxt = effective + step if go_up else effective - step
+        if abs(nxt - effective) < 0.002 * budget_bytes:
+            break
+        effective = nxt
     if best is None:
         return _known_or_raise(known, measure, margin, budget_bytes, predict, effective,
-                               max(predicted, min(peaks.values(), default=predicted)))
+                               max(predicted or 0, min(peaks.values(), default=predicted or 0)))
     return best[1]
 
 

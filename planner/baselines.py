@@ -64,11 +64,13 @@ def sqrt_segments(cg: CostGraph) -> tuple[Region, ...]:
 
 def sac_keepable(cg: CostGraph) -> list[bool]:
     """Nodes whose outputs SAC may keep: FLOP-heavy ones (matmul, conv) whose outputs no other
-    node writes in place (a cached tensor written later would be replayed wrong)."""
+    node writes in place (a cached tensor written later would be replayed wrong), and that draw
+    no random numbers (a cached draw is skipped in the recompute, so every later random op of
+    the region would draw from another point of the RNG stream)."""
     written_by: dict[int, set[int]] = {}
     for s in cg.storages:
         written_by.setdefault(s.producer, set()).update(s.mutated_by)
-    return [c.flops > 0 and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
+    return [c.flops > 0 and not c.random and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
 
 
 def sac_every_block(cg: CostGraph) -> tuple[Region, ...]:

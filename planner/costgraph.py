@@ -26,6 +26,7 @@ class NodeCost:
     recomputable: bool        # may be placed inside a checkpoint region
     why_not: str = ""         # reason when not recomputable
     ops: int = 0              # aten ops it dispatches
+    random: bool = False      # draws random numbers (dropout, attention with dropout): never SAC-kept
 
 
 @dataclass(frozen=True)

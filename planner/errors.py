@@ -39,3 +39,7 @@ class SolverError(RematError):
     def __init__(self, status: str, detail: str = ""):
         self.status = status
         super().__init__(f"ILP solver returned status {status!r}. {detail}".strip())
+
+
+class UnsafePlanError(RematError):
+    """A plan asks for something the runtime cannot do correctly (not one the planner makes)."""

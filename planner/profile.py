@@ -51,6 +51,18 @@ class DeviceRates:
         return cls(flops_per_s=1.5e11, bytes_per_s=4e10, op_s=1e-5)   # fitted on 2 x86 cores
 
 
+def draws_random(func, args, kwargs) -> bool:
+    """The op consumes the RNG: seeded ops (torch's `nondeterministic_seeded` tag), except those
+    with a `dropout_p` of 0 (attention kernels carry the tag whether or not they drop out)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for k, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            p = (kwargs or {}).get("dropout_p", args[k] if k < len(args) else a.default_value)
+            return bool(p)
+    return True
+
+
 class _ProfileMode(LiveBytes):
     """LiveBytes that also maps storages to ids and records per-node reads and bytes moved."""
 
@@ -64,6 +76,7 @@ class _ProfileMode(LiveBytes):
         self.fixed_mutated: dict[int, set[int]] = defaultdict(set)
         self.moved: dict[int, int] = defaultdict(int)
         self.ops: dict[int, int] = defaultdict(int)
+        self.random: set[int] = set()     # nodes that draw random numbers
         self.node = -1          # current node index; -1 = not recording
         self.fixed_ids: dict = {}
         super().__init__(baseline)
@@ -83,6 +96,8 @@ class _ProfileMode(LiveBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
             self.ops[self.node] += 1
+            if draws_random(func, args, kwargs):
+                self.random.add(self.node)
             written = {id(t) for a, t in zip(func._schema.arguments, args)
                        if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor)}
             written |= {id(kwargs[a.name]) for a in func._schema.arguments
@@ -257,7 +272,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             module="" if is_loss else _module_of(nodes[i]),
             flops=int(r["flops"]),
             cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
-            ops=mode.ops[i],
+            ops=mode.ops[i], random=i in mode.random,
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
             param_grad_bytes=param_grad[i], recomputable=not why, why_not=why,

@@ -42,6 +42,13 @@ class Plan:
     notes: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict)
 
+    @classmethod
+    def of_regions(cls, regions, node_names: tuple[str, ...]) -> "Plan":
+        """Regions alone, numbers left at zero: what the rewriter needs to try a plan out."""
+        return cls(regions=tuple(regions), budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
+                   min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0, forward_s=0.0,
+                   solver="", status="", gap=0.0, solve_s=0.0, node_names=tuple(node_names))
+
     @property
     def regions_by_name(self) -> list[list[str]]:
         return [list(self.node_names[r.start:r.end + 1]) for r in self.regions]

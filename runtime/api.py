@@ -29,10 +29,7 @@ def exact_replay(model: torch.nn.Module, analysis, loss_fn):
     opaque = tuple(m for m, _ in analysis.traced.opaque)
 
     def measure(regions) -> int:
-        skeleton = Plan(regions=tuple(regions), budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
-                        min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0,
-                        forward_s=0.0, solver="", status="", gap=0.0, solve_s=0.0,
-                        node_names=tuple(c.name for c in analysis.cost_graph.nodes))
+        skeleton = Plan.of_regions(regions, tuple(c.name for c in analysis.cost_graph.nodes))
         replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples)
         return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if opaque else replayed
     return measure

@@ -4,7 +4,7 @@ Under `torch.compile` a plain region (one that keeps no nodes) becomes Dynamo's 
 inside the one graph (runtime.rewrite), and AOTAutograd's partitioner decides what else the
 compiled step saves between regions. That is not the eager step the fake replay models:
 Inductor can save more (a compiled unplanned ResNet with BatchNorm peaks 3 MB above eager) or
-less. So `compiled_replay` is the `measure` for `solve_plan` in compile mode: it compiles the
+less. So `CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the
 model rewritten with the regions asked about, runs two real steps on the example inputs (the
 first compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at
 the allocator. The planner's budget correction loop (planner.api._fit) then works on measured
@@ -27,6 +27,8 @@ class CompiledReplay:
     """measure(regions) -> peak bytes of the compiled, rewritten step; compiled modules by plan."""
 
     what = "the compiled step, measured at the allocator (a real step per plan tried)"
+    eager = False       # the simulator does not model it, not even the unplanned step
+    rounds = 6          # solves the budget correction may take (planner.api._fit)
 
     def __init__(self, model: torch.nn.Module, analysis, loss_fn, compile_kwargs: dict):
         self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
@@ -39,10 +41,7 @@ class CompiledReplay:
         """The compiled model rewritten with `regions` (compiled once per plan)."""
         key = tuple(regions)
         if key not in self.compiled:
-            skeleton = Plan(regions=key, budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
-                            min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0,
-                            forward_s=0.0, solver="", status="", gap=0.0, solve_s=0.0, node_names=self.names)
-            gm = rewrite(self.model, self.analysis.traced.gm, skeleton)
+            gm = rewrite(self.model, self.analysis.traced.gm, Plan.of_regions(key, self.names))
             self.compiled[key] = torch.compile(gm, **self.compile_kwargs)
         return self.compiled[key]
 

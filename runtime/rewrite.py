@@ -16,15 +16,17 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.profile import compute_nodes
+from planner.profile import compute_nodes, draws_random
+from planner.errors import UnsafePlanError
 from planner.result import Plan
 
 _SAVE = threading.local()
 
 
-def save_scope_enter() -> None:
+def save_scope_enter(node: str = "") -> None:
     """Marks the start of a node whose ops the SAC policy saves (inserted by the rewriter)."""
     _SAVE.depth = getattr(_SAVE, "depth", 0) + 1
+    _SAVE.node = node
 
 
 def save_scope_exit() -> None:
@@ -39,8 +41,18 @@ def _is_view(op) -> bool:
 def _policy(ctx, op, *args, **kwargs):
     """Save what the plan's saved nodes compute. Views are recomputed (they cost nothing, and a
     cached view would pin its base: often a tensor the plan drops); in-place ops stay cached so
-    that a recompute never applies them twice."""
+    that a recompute never applies them twice.
+
+    A kept node must not draw random numbers: the recompute replays the region's RNG stream from
+    its start, so a cached draw would shift every later one (another dropout mask), and
+    recomputing the draw alone would rewrite a cached buffer (attention's dropout mask is
+    `empty_like` then `bernoulli_`). The planner never keeps such nodes
+    (planner.baselines.sac_keepable); a plan that does is refused here, before anything is wrong."""
     if getattr(_SAVE, "depth", 0) > 0 and not _is_view(op):
+        if draws_random(op, args, kwargs):
+            raise UnsafePlanError(f"the plan keeps node {getattr(_SAVE, 'node', '?')!r}, which draws random numbers "
+                                  f"({op}); its recompute could not replay them. Re-plan: remat's planner never "
+                                  "keeps such nodes")
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -150,7 +162,7 @@ def _region_graph(nodes: list[fx.Node], saved: set[str]) -> tuple[fx.Graph, list
             if a not in inside:
                 arg(a)
         if n.name in saved:
-            g.call_function(save_scope_enter)
+            g.call_function(save_scope_enter, (n.name,))
         env[n] = g.node_copy(n, lambda a: env[a])
         if n.name in saved:
             g.call_function(save_scope_exit)

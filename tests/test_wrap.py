@@ -66,3 +66,52 @@ def test_budget_above_unplanned_peak_means_no_regions(case):
     out_ref, _ = train_step(ref, c.example)
     out, _ = train_step(wrapped, c.example)
     torch.testing.assert_close(out, out_ref)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, attn_dropout: float):
+        super().__init__()
+        self.qkv, self.proj, self.p = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32), attn_dropout
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+        return torch.nn.functional.dropout(self.proj(h), 0.1, self.training)
+
+
+def test_nodes_that_draw_random_numbers_are_never_kept():
+    """Keeping (SAC-caching) attention with dropout skips its draw in the recompute, so the
+    dropout after it would draw another mask: the planner never offers it, and the rewriter
+    refuses a plan that keeps it, before any result is wrong."""
+    from planner import analyze
+    from planner.baselines import sac_every_block, sac_keepable
+    from planner.errors import UnsafePlanError
+    from planner.result import Plan, Region
+    from planner.trace import capture
+    from runtime.rewrite import rewrite
+    x = torch.randn(4, 16, 32)
+    for p in (0.0, 0.2):
+        torch.manual_seed(0)
+        cg = analyze(_Attention(p), (x,)).cost_graph
+        sdpa = next(i for i, c in enumerate(cg.nodes) if "scaled_dot_product" in c.target)
+        assert cg.nodes[sdpa].random == (p > 0) and sac_keepable(cg)[sdpa] == (p == 0)
+    assert all(sdpa not in r.saved for r in sac_every_block(cg))
+    # keeping only the linears is exact, keeping the attention is refused
+    n = len(cg.nodes) - 1                      # the loss is not a graph node
+    linears = tuple(i for i in range(n) if cg.nodes[i].flops > 0 and i != sdpa)
+    for saved in (linears, (sdpa,)):
+        ref, model = _Attention(0.2), _Attention(0.2)
+        model.load_state_dict(ref.state_dict())
+        traced = capture(model, (x,), {})
+        gm = rewrite(model, traced.gm, Plan.of_regions((Region(0, n - 1, saved),), tuple(c.name for c in cg.nodes)))
+        torch.manual_seed(3)
+        ref(x).pow(2).sum().backward()
+        torch.manual_seed(3)
+        if sdpa in saved:
+            with pytest.raises(UnsafePlanError, match="draws random numbers"):
+                gm(**traced.inputs(model, (x,), {}))
+            continue
+        out = gm(**traced.inputs(model, (x,), {}))
+        (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
