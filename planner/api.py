@@ -12,7 +12,7 @@ from .baselines import known_plans
 from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
-from .opaque import real_inputs
+from .opaque import host_rng_restored, real_inputs
 from .profile import DeviceRates, profile
 from .result import Plan
 from .simulate import timeline
@@ -60,11 +60,12 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
     t0 = time.perf_counter()
-    traced = capture(model, args, kwargs)
-    named = traced.inputs(model, args, kwargs)
-    opaque = tuple(m for m, _ in traced.opaque)
-    examples = real_inputs(traced.gm, named, opaque) if opaque else {}
-    cg = profile(traced.gm, named, loss_fn, rates, opaque, examples)
+    with torch.random.fork_rng(devices=[]), host_rng_restored():   # planning draws nothing of the user's
+        traced = capture(model, args, kwargs)
+        named = traced.inputs(model, args, kwargs)
+        opaque = tuple(m for m, _ in traced.opaque)
+        examples = real_inputs(traced.gm, named, opaque) if opaque else {}
+        cg = profile(traced.gm, named, loss_fn, rates, opaque, examples)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path,
                            "trace_attempts": [list(a) for a in traced.attempts]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
@@ -183,7 +184,7 @@ def _choose(cg, budget_bytes, options, cands, known, peaks, predict):
     """The cheapest plan whose simulated peak fits: the ILP's, or a known plan if it is cheaper."""
     fitting = sorted((timeline(cg, known[k]).recompute_s, k) for k, p in peaks.items() if p <= budget_bytes)
     if options.find_min_feasible and not fitting:
-        raise InfeasibleBudgetError(budget_bytes, min(peaks.values()))
+        raise InfeasibleBudgetError(budget_bytes, min(peaks.values(), default=predict(())))
     warm = known[fitting[0][1]] if fitting else ()
     target = int(budget_bytes / (1.0 + options.safety_margin))
     for _ in range(4):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no

@@ -10,6 +10,9 @@ activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations
 
+import contextlib
+import random
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,7 @@ class OpaqueCost:
     internal_saved_bytes: int                # saved storages made inside the module
     fwd_extra_bytes: int                     # forward peak above its inputs, outputs excluded
     bwd_extra_bytes: int                     # backward peak above its inputs' and outputs' grads
+    host_random: bool = False                # drew Python or numpy random numbers
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,24 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     else:
         x = torch.zeros(t.shape, dtype=t.dtype)
     return x.requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def host_rng_restored(drawn: list | None = None):
+    """Python's and numpy's global RNG end as they began (torch's has fork_rng); appends to
+    `drawn` whether the block drew from them. Checkpoint replays only torch's RNG, so a module
+    that draws from these cannot be recomputed."""
+    np = sys.modules.get("numpy")
+    before = (random.getstate(), np.random.get_state() if np else None)
+    try:
+        yield
+    finally:
+        if drawn is not None:
+            drawn.append(random.getstate() != before[0]
+                         or (np is not None and repr(np.random.get_state()) != repr(before[1])))
+        random.setstate(before[0])
+        if np is not None:
+            np.random.set_state(before[1])
 
 
 def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> dict[str, list]:
@@ -60,7 +82,7 @@ def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> di
     handles = [gm.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in names]
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), host_rng_restored():
             gm(**inputs)
     finally:
         for h in handles:
@@ -98,7 +120,8 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             return t
         with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False) as fc:
             start = live.live_bytes
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            drawn: list[bool] = []
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
                 out = torch.func.functional_call(module, state, r_args, r_kwargs)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
@@ -111,7 +134,7 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             made_grads = sum(x.numel() * x.element_size() for x in inputs + list(state.values()) if x.requires_grad)
             bwd_extra = max(0, live.peak_bytes - before_bwd - made_grads)
         cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), sum(internal.values()),
-                          fwd_extra, bwd_extra)
+                          fwd_extra, bwd_extra, drawn[0])
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes
 

@@ -200,3 +200,28 @@ def test_keyword_inputs_and_dict_outputs():
     loss_fn(ref(x=x, scale=scale)).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class _PythonLayerDrop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+    def forward(self, x):
+        import random
+        return x if random.random() < 0.5 else x + self.f(x)
+
+
+def test_modules_drawing_python_random_numbers_are_not_recomputed():
+    """Checkpoint replays only torch's RNG: a recompute of `random.random() < p` could take the
+    other branch. Such (opaque) modules are not recomputable, and planning draws nothing from
+    the user's Python RNG."""
+    import random
+    model = torch.nn.Sequential(_PythonLayerDrop(), torch.nn.Linear(16, 16), _PythonLayerDrop())
+    random.seed(5)
+    state = random.getstate()
+    cg = analyze(model, (torch.randn(32, 16),)).cost_graph
+    assert random.getstate() == state
+    drops = [c for c in cg.nodes if c.target.startswith("_PythonLayerDrop")]
+    assert len(drops) == 2 and all(not c.recomputable and "Python" in c.why_not and c.random for c in drops)
+    assert [c.recomputable for c in cg.nodes if c.target.startswith("Linear")] == [True]
