@@ -77,8 +77,9 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
 
     `measure(regions) -> bytes`, when given, replays a plan exactly (runtime.verify's fake-tensor
     dry run, or runtime.compiled's measured compiled step); the replay is then the prediction, and
-    the budget the ILP sees is corrected by it (see `_fit`), also when no regions seem needed. Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with
-    the smallest feasible budget) when no plan fits.
+    the budget the ILP sees is corrected by it (see `_fit`), also when no regions seem needed.
+    Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with the smallest
+    feasible budget) when no plan fits.
     """
     margin = 1.0 + options.safety_margin
     predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * margin)  # noqa: E731

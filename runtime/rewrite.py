@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from planner.profile import compute_nodes, draws_random
 from planner.errors import UnsafePlanError
+from planner.profile import compute_nodes, draws_random
 from planner.result import Plan
 
 _SAVE = threading.local()
