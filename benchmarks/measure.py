@@ -1,9 +1,6 @@
-"""Running and measuring one training step: result check, median time, allocator peak.
-
-`allocator_peak` meters with the profiler's allocator events (runtime.measure) instead of a
-TorchDispatchMode, so it can measure torch.compile'd code (Dynamo falls back to eager under a
-dispatch mode).
-"""
+"""Running and measuring one training step: result check, median time. Compiled steps are
+metered with runtime.measure.allocator_peak (the profiler's allocator events: Dynamo falls back
+to eager under a TorchDispatchMode)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import measure
 
 
 def step(model, ex, seed=0) -> torch.Tensor:
@@ -80,8 +76,3 @@ def median_step_s(models: dict, ex, repeats: int) -> dict:
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
-
-def allocator_peak(step_fn, model: torch.nn.Module, inputs) -> int:
-    """Peak CPU allocator bytes of `step_fn()`, resident parameters, buffers, grads and inputs
-    included (runtime.measure.allocator_peak): comparable to runtime.peak_memory."""
-    return measure.allocator_peak(step_fn, model, *inputs)

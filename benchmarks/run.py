@@ -18,7 +18,7 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,16 +26,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import exact, report  # noqa: E402
-from benchmarks.measure import allocator_peak, median_step_s, reference, same_result, step  # noqa: E402
+from benchmarks.measure import median_step_s, reference, same_result, step  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropout_recompute_error  # noqa: E402
 from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
 from planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
+from planner.result import Plan  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
 from planner.trace import capture  # noqa: E402
 from runtime import peak_memory  # noqa: E402
 from runtime.api import exact_replay  # noqa: E402
+from runtime.measure import allocator_peak  # noqa: E402
 from runtime.rewrite import rewrite  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,14 +72,14 @@ def meter_check(name: str, ex) -> dict:
     model.zero_grad(set_to_none=True)
     live = peak_memory(lambda: step(model, ex), model, *ex.inputs)
     model.zero_grad(set_to_none=True)
-    return dict(model=name, live=live, alloc=allocator_peak(lambda: step(model, ex), model, ex.inputs))
+    return dict(model=name, live=live, alloc=allocator_peak(lambda: step(model, ex), model, *ex.inputs))
 
 
-def run_rewritten(ex, skeleton, regions, ref) -> tuple[torch.nn.Module, int, bool]:
+def run_rewritten(ex, plan: Plan, ref) -> tuple[torch.nn.Module, int, bool]:
     """The model rewritten with `regions`, its peak, and whether it gives the reference result."""
     model = copy.deepcopy(ex.model)
     traced = capture(model, ex.inputs, {})
-    rewritten = rewrite(model, traced.gm, replace(skeleton, regions=regions))
+    rewritten = rewrite(model, traced.gm, plan)
     gm = Called(rewritten, lambda args: traced.inputs(model, args, {}))
     same = same_result(model, step(gm, ex), ref)
     model.zero_grad(set_to_none=True)
@@ -105,8 +107,8 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     ours_s = a.analyze_s + time.perf_counter() - t0
     strategies = {k: (fn(cg), 0.0) for k, fn in BASELINES.items()}
     strategies["remat (ours)"] = (ours.regions, ours_s)
-    skeleton = solve_plan(cg, 10**18, s.opts)
-    runs = {label: run_rewritten(ex, skeleton, regions, ref) for label, (regions, _) in strategies.items()}
+    names = tuple(c.name for c in cg.nodes)
+    runs = {label: run_rewritten(ex, Plan.of_regions(regions, names), ref) for label, (regions, _) in strategies.items()}
     torch._dynamo.reset()
     compiled, notes = {}, []
     try:

@@ -22,7 +22,9 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from .measure import allocator_peak, as_close_as_eager, median_step_s, step
+from runtime.measure import allocator_peak
+
+from .measure import as_close_as_eager, median_step_s, step
 
 GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 QUICK_GRID = (1.0, 0.6, 0.3, 0.0)
@@ -48,7 +50,7 @@ def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
     compile_s = time.perf_counter() - t0
     same = as_close_as_eager(model, loss, ref)
     model.zero_grad(set_to_none=True)
-    peak = allocator_peak(lambda: step(compiled, ex), model, ex.inputs)
+    peak = allocator_peak(lambda: step(compiled, ex), model, *ex.inputs)
     model.zero_grad(set_to_none=True)
     secs = median_step_s({"compiled": compiled, "eager": copy.deepcopy(ex.model)}, ex, repeats)
     ratio = secs["compiled"] / secs["eager"]

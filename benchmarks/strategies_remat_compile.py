@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch._functorch.config as functorch_config
@@ -20,14 +20,15 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from planner import InfeasibleBudgetError, PlanOptions, analyze, solve_plan
+from planner import InfeasibleBudgetError, PlanOptions
 from planner.profile import compute_nodes
 from planner.result import Plan, Region
 from planner.trace import capture
 from runtime.api import plan_and_wrap
+from runtime.measure import allocator_peak
 from runtime.rewrite import rewrite
 
-from .measure import allocator_peak, as_close_as_eager, same_result, step
+from .measure import as_close_as_eager, same_result, step
 
 
 class Called(torch.nn.Module):
@@ -41,11 +42,11 @@ class Called(torch.nn.Module):
         return self.gm(**self.inputs(args))
 
 
-def rewritten(ex, skeleton, regions) -> tuple[torch.nn.Module, torch.fx.GraphModule, object]:
-    """A fresh copy of the model, its graph rewritten with `regions`, and the capture."""
+def rewritten(ex, plan: Plan) -> tuple[torch.nn.Module, torch.fx.GraphModule, object]:
+    """A fresh copy of the model, its graph rewritten with `plan`'s regions, and the capture."""
     model = copy.deepcopy(ex.model)
     traced = capture(model, ex.inputs, {})
-    return model, rewrite(model, traced.gm, replace(skeleton, regions=regions)), traced
+    return model, rewrite(model, traced.gm, plan), traced
 
 
 def _cold():
@@ -84,15 +85,12 @@ def remat_compiled(ex, budget: int, opts: PlanOptions, ref) -> RematCompiled | I
         loss = step(wrapped, ex)
     same, exact = as_close_as_eager(model, loss, ref), same_result(model, loss, ref)
     model.zero_grad(set_to_none=True)
-    peak = allocator_peak(lambda: step(wrapped, ex), model, ex.inputs)
+    peak = allocator_peak(lambda: step(wrapped, ex), model, *ex.inputs)
     model.zero_grad(set_to_none=True)
     breaks = tuple(sorted({k.strip().splitlines()[0][:120] for k, v in counters["graph_break"].items()
                            if v > breaks0.get(k, 0)}))
     graphs = counters["stats"]["unique_graphs"] - graphs0
-    error64 = None
-    if not same:
-        skeleton = solve_plan(analyze(ex.model, ex.inputs, None, ex.loss_fn).cost_graph, 10**18)
-        error64 = float64_error(ex, skeleton, wrapped.plan.regions, ref)
+    error64 = None if same else float64_error(ex, wrapped.plan, ref)
     return RematCompiled(wrapped, wrapped.plan, peak, plan_s, same or error64 <= MAX_ERROR64, exact, error64,
                          graphs, breaks)
 
@@ -100,7 +98,7 @@ def remat_compiled(ex, budget: int, opts: PlanOptions, ref) -> RematCompiled | I
 MAX_ERROR64 = 1e-8
 
 
-def float64_error(ex, skeleton, regions, ref) -> float:
+def float64_error(ex, plan: Plan, ref) -> float:
     """The plan compiled in float64: its largest difference to the float64 eager step (loss
     relative, each grad relative to its max), as measure._error. A float32 run can fail the
     as-close-as-eager check on an ill-conditioned gradient (a conv weight in front of a
@@ -109,7 +107,7 @@ def float64_error(ex, skeleton, regions, ref) -> float:
     (another dropout mask, a stale buffer) is not."""
     model = copy.deepcopy(ex.model).double()
     ex64 = ex._replace(model=model, inputs=tuple(x.double() if x.is_floating_point() else x for x in ex.inputs))
-    model, gm, traced = rewritten(ex64, skeleton, regions)      # node names do not depend on the dtype
+    model, gm, traced = rewritten(ex64, plan)      # node names do not depend on the dtype
     called = Called(torch.compile(gm), lambda args: traced.inputs(model, args, {}))
     a, b = _cold()
     with a, b:
@@ -143,11 +141,10 @@ def dropout_region_error(fallback_random: bool) -> float:
         torch.manual_seed(0)
         toy, x = Toy(), torch.randn(256, 64)
         loss_fn = lambda out: out.sum()     # noqa: E731
-        a = analyze(toy, (x,), None, loss_fn)
-        skeleton = solve_plan(a.cost_graph, 10**18)
         traced = capture(toy, (x,), {})
-        region = Region(0, len(compute_nodes(traced.gm)) - 1)
-        gm = rewrite(toy, traced.gm, replace(skeleton, regions=(region,)))
+        nodes = compute_nodes(traced.gm)
+        region = Region(0, len(nodes) - 1)
+        gm = rewrite(toy, traced.gm, Plan.of_regions((region,), tuple(n.name for n in nodes)))
         torch._dynamo.reset()
         with functorch_config.patch(enable_autograd_cache=False), \
                 inductor_config.patch(fallback_random=fallback_random, fx_graph_cache=False):

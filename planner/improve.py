@@ -247,14 +247,9 @@ def _cheaper(pool, judge, plan, n, budget, evals, max_evals, add_span):
             return new, evals
         if len(over) < _REPAIRS:
             over.append((new, d))
-    for new, d in over:
-        fixes = sorted((m for m in _neighbours(pool, new, n, add_span) if m[1] + d < -1e-12), key=lambda m: m[1])
-        for fixed, _ in fixes:
-            if evals >= max_evals:
-                return None, evals
-            evals += 1
-            if judge.peak(fixed) <= budget:
-                return fixed, evals
+    found, evals = _repair(pool, judge, over, n, add_span, budget, evals, max_evals)
+    if found is not None or evals >= max_evals:
+        return found, evals
     # a dearer plan with a lower peak (a merged or longer region), then a cheaper move it makes
     # room for (regions elsewhere given up)
     peak = judge.peak(plan)
@@ -267,9 +262,15 @@ def _cheaper(pool, judge, plan, n, budget, evals, max_evals, add_span):
         if p < peak:
             room.append((p, d, new))
     room.sort(key=lambda e: (e[0], e[1]))
-    for _, d, new in room[:_REPAIRS]:
-        cuts = sorted((m for m in _neighbours(pool, new, n, 0) if m[1] + d < -1e-12), key=lambda m: m[1])
-        for fixed, _ in cuts:
+    return _repair(pool, judge, [(new, d) for _, d, new in room[:_REPAIRS]], n, 0, budget, evals, max_evals)
+
+
+def _repair(pool, judge, starts, n, add_span, budget, evals, max_evals):
+    """From each (plan, its cost change) in `starts`, in turn: the first move, cheapest first,
+    that leaves the total change negative and fits the budget; (plan or None, evals)."""
+    for start, d in starts:
+        fixes = sorted((m for m in _neighbours(pool, start, n, add_span) if m[1] + d < -1e-12), key=lambda m: m[1])
+        for fixed, _ in fixes:
             if evals >= max_evals:
                 return None, evals
             evals += 1
