@@ -12,9 +12,11 @@ from .baselines import known_plans
 from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
-from .opaque import host_rng_restored, real_inputs
+from .opaque import real_inputs
 from .profile import DeviceRates, profile
 from .result import Plan
+from .rng import rng_preserved
+from .state import mode_key, state_preserved, training_modes
 from .simulate import timeline
 from .solve import SolveOptions, solve_ilp, solve_min_peak
 from .trace import Traced, capture
@@ -28,6 +30,13 @@ class PlanOptions:
     safety_margin: float = 0.01     # predicted peak = simulated peak * (1 + margin)
     find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
     rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
+    # The step is `loss_fn(model(x)).backward()`: the output is released once the loss is computed
+    # (HF Trainer, Lightning). True if your loop holds the output through backward (`out = model(x);
+    # loss_fn(out).backward()` with `out` still referenced): its bytes are then in the budget too.
+    keep_output: bool = False
+    # ops outside torch's namespaces ("mylib::fused_mlp") that draw no random numbers; any other
+    # such op is treated as random: never kept by a SAC region
+    deterministic_ops: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -49,8 +58,16 @@ def budget_to_bytes(budget_gb) -> int:
 
 
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
-            rates: DeviceRates | None = None) -> Analysis:
-    """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward)."""
+            rates: DeviceRates | None = None, *, keep_output: bool = False,
+            deterministic_ops: frozenset = frozenset()) -> Analysis:
+    """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward).
+
+    The step planned is a training step, whatever mode the model is in: a model in eval mode
+    is profiled as `model.train()` would leave it (dropout on, BatchNorm updating its
+    statistics; a graph bakes the mode in), and its modes are restored afterwards. A model in
+    train mode is profiled in the modes of its modules as they are (a BatchNorm frozen in eval
+    stays frozen). Nothing of the user's model changes: RNG states, buffers and modes are as
+    they were."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if example_inputs is not None else ()
@@ -60,13 +77,13 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]), host_rng_restored():   # planning draws nothing of the user's
+    with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced = capture(model, args, kwargs)
         named = traced.inputs(model, args, kwargs)
         opaque = tuple(m for m, _ in traced.opaque)
         examples = real_inputs(traced.gm, named, opaque) if opaque else {}
-        cg = profile(traced.gm, named, loss_fn, rates, opaque, examples)
-    cg = replace(cg, meta={**cg.meta, "trace_path": traced.path,
+        cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output, frozenset(deterministic_ops))
+    cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
 
@@ -221,5 +238,6 @@ def plan(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, examp
     ((), True)
     """
     budget = budget_to_bytes(budget_gb)
-    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.rates)
+    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.rates, keep_output=options.keep_output,
+                deterministic_ops=options.deterministic_ops)
     return solve_plan(a.cost_graph, budget, options, a.traced.opaque)

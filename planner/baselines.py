@@ -66,11 +66,13 @@ def sac_keepable(cg: CostGraph) -> list[bool]:
     """Nodes whose outputs SAC may keep: FLOP-heavy ones (matmul, conv) whose outputs no other
     node writes in place (a cached tensor written later would be replayed wrong), and that draw
     no random numbers (a cached draw is skipped in the recompute, so every later random op of
-    the region would draw from another point of the RNG stream)."""
+    the region would draw from another point of the RNG stream). Never an opaque module: SAC
+    would cache every op inside it, which its stand-in in the memory model does not hold."""
     written_by: dict[int, set[int]] = {}
     for s in cg.storages:
         written_by.setdefault(s.producer, set()).update(s.mutated_by)
-    return [c.flops > 0 and not c.random and written_by.get(j, set()) <= {j} for j, c in enumerate(cg.nodes)]
+    return [c.flops > 0 and not c.random and not c.opaque and written_by.get(j, set()) <= {j}
+            for j, c in enumerate(cg.nodes)]
 
 
 def sac_every_block(cg: CostGraph) -> tuple[Region, ...]:

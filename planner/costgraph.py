@@ -27,6 +27,7 @@ class NodeCost:
     why_not: str = ""         # reason when not recomputable
     ops: int = 0              # aten ops it dispatches
     random: bool = False      # draws random numbers (dropout, attention with dropout): never SAC-kept
+    opaque: bool = False      # an opaque module (stood in for): never SAC-kept (SAC would cache every op inside)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import pulp
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .rng import rng_preserved
 from .storage import LiveBytes
 
 CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -128,14 +129,15 @@ def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) 
     try:
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(devices=[]), LiveBytes(baseline=fixed, on_alloc=on_alloc) as meter, \
+        with rng_preserved(), LiveBytes(baseline=fixed, on_alloc=on_alloc) as meter, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             t0 = time.perf_counter()
             out = model(*args, **kwargs)
             forward_s = time.perf_counter() - t0
             loss = loss_fn(out) if loss_fn else sum(t.float().exp().sum() for t in _tensors(out) if t.requires_grad)
+            del out                 # the step is loss_fn(model(x)).backward(): the output is released
             loss.backward()
-            del out, loss
+            del loss
     finally:
         for h in handles:
             h.remove()

@@ -10,9 +10,6 @@ activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations
 
-import contextlib
-import random
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +17,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from .rng import host_rng_restored, rng_preserved
 from .storage import LiveBytes
 
 
@@ -47,24 +45,6 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_(t.requires_grad)
 
 
-@contextlib.contextmanager
-def host_rng_restored(drawn: list | None = None):
-    """Python's and numpy's global RNG end as they began (torch's has fork_rng); appends to
-    `drawn` whether the block drew from them. Checkpoint replays only torch's RNG, so a module
-    that draws from these cannot be recomputed."""
-    np = sys.modules.get("numpy")
-    before = (random.getstate(), np.random.get_state() if np else None)
-    try:
-        yield
-    finally:
-        if drawn is not None:
-            drawn.append(random.getstate() != before[0]
-                         or (np is not None and repr(np.random.get_state()) != repr(before[1])))
-        random.setstate(before[0])
-        if np is not None:
-            np.random.set_state(before[1])
-
-
 def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> dict[str, list]:
     """The real tensor inputs each opaque module gets in a no-grad forward of `gm(**inputs)`.
 
@@ -82,7 +62,7 @@ def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> di
     handles = [gm.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in names]
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), host_rng_restored():
+        with torch.no_grad(), rng_preserved():
             gm(**inputs)
     finally:
         for h in handles:
@@ -97,7 +77,7 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
     """Run `module` for real on `example` (its real inputs, see `real_inputs`), else on
     random inputs shaped like the fake `args`; returns (cost, fake-able outputs)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
-    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+    with _disable_current_modes(), rng_preserved():
         flat, spec = tree_flatten((args, kwargs))
         if example is not None and len(example) == len(flat):
             real = [e.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x

@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import stand_in
+from .rng import rng_preserved
 from .simulate import timeline
 from .storage import LiveBytes
 from .trace import placeholder_values
@@ -51,9 +52,48 @@ class DeviceRates:
         return cls(flops_per_s=1.5e11, bytes_per_s=4e10, op_s=1e-5)   # fitted on 2 x86 cores
 
 
-def draws_random(func, args, kwargs) -> bool:
+# Namespaces whose ops torch itself defines and tags: an untagged op there draws no random numbers.
+# (The namespaces torch 2.13 registers itself, rngprims aside: its ops draw random numbers.)
+TORCH_NAMESPACES = frozenset({
+    "aten", "prim", "prims", "quantized", "_quantized", "quantization", "symm_mem", "static_runtime", "c10d",
+    "c10d_functional", "_c10d_functional", "_c10d_functional_autograd", "onednn", "mkldnn", "mkldnn_prepacked",
+    "mkl", "sparse", "inductor", "inductor_prims", "profiler", "debugprims", "_native", "debug_mode_ops", "export",
+    "_dtensor"})
+
+
+# ATen ops that write some of their arguments without saying so in their schema (no alias
+# annotation): name -> (positions of the arguments written, position of the flag that says they
+# are: BatchNorm's running statistics, when training). tests/test_wrap.py checks BatchNorm's
+# buffers against the unwrapped model's.
+UNDECLARED_WRITES = {"aten::native_batch_norm": ((3, 4), 5), "aten::cudnn_batch_norm": ((3, 4), 5),
+                     "aten::miopen_batch_norm": ((3, 4), 5)}
+
+
+def written_args(func, args, kwargs) -> set[int]:
+    """ids of the tensors `func` writes in place: its schema's `(a!)` arguments, and the ones it
+    writes undeclared (`UNDECLARED_WRITES`)."""
+    schema = func._schema.arguments
+    written = {id(t) for a, t in zip(schema, args) if a.alias_info is not None and a.alias_info.is_write
+               and isinstance(t, torch.Tensor)}
+    written |= {id(kwargs[a.name]) for a in schema if a.alias_info is not None and a.alias_info.is_write
+                and isinstance((kwargs or {}).get(a.name), torch.Tensor)}
+    positions, flag = UNDECLARED_WRITES.get(func._schema.name, ((), None))
+    if positions and len(args) > flag and args[flag]:
+        written |= {id(args[k]) for k in positions if isinstance(args[k], torch.Tensor)}
+    return written
+
+
+def op_name(func) -> str:
+    return f"{func.namespace}::{func._schema.name.split('::')[-1]}"
+
+
+def draws_random(func, args, kwargs, deterministic_ops: frozenset[str] = frozenset()) -> bool:
     """The op consumes the RNG: seeded ops (torch's `nondeterministic_seeded` tag), except those
-    with a `dropout_p` of 0 (attention kernels carry the tag whether or not they drop out)."""
+    with a `dropout_p` of 0 (attention kernels carry the tag whether or not they drop out); and
+    any op from outside torch's own namespaces (a `torch.library` or Triton kernel may draw and
+    need not say so) unless the user declared it deterministic ("namespace::name")."""
+    if func.namespace not in TORCH_NAMESPACES:
+        return op_name(func) not in deterministic_ops
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return False
     for k, a in enumerate(func._schema.arguments):
@@ -66,7 +106,8 @@ def draws_random(func, args, kwargs) -> bool:
 class _ProfileMode(LiveBytes):
     """LiveBytes that also maps storages to ids and records per-node reads and bytes moved."""
 
-    def __init__(self, baseline):
+    def __init__(self, baseline, deterministic_ops: frozenset[str] = frozenset()):
+        self.deterministic_ops = deterministic_ops
         self.sid: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.bytes: list[int] = []
         self.producer: list[int] = []
@@ -78,30 +119,43 @@ class _ProfileMode(LiveBytes):
         self.ops: dict[int, int] = defaultdict(int)
         self.random: set[int] = set()     # nodes that draw random numbers
         self.node = -1          # current node index; -1 = not recording
-        self.fixed_ids: dict = {}
+        self.fixed_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.fixed_storages: list = []
         super().__init__(baseline)
 
-    def track_fixed(self, storages) -> None:
+    def track_fixed(self, storages, real_storages) -> None:
+        """`storages`: the fixed (fake) storages; `real_storages`: the real storage each one was
+        made from (a loss that closes over a real parameter reads the fixed one)."""
+        self.fixed_storages = list(storages)
         self.fixed_ids = weakref.WeakKeyDictionary({st: i for i, st in enumerate(storages)})
+        for i, st in enumerate(real_storages):
+            self.fixed_ids.setdefault(st, i)
 
-    def add(self, t):
-        if not super().add(t) or self.node < 0:
+    def read(self, t) -> bool:
+        """A tensor no op made and no fixed tensor holds (a loss target, a mask the step closes
+        over): fixed too, live the whole step, counted once."""
+        st = t.untyped_storage()
+        if st in self._sizes or st in self.fixed_ids:
+            return False
+        self.fixed_ids[st] = len(self.fixed_storages)
+        self.fixed_storages.append(st)
+        return True
+
+    def add(self, t, nbytes: int | None = None):
+        if not super().add(t, nbytes) or self.node < 0:
             return False
         st = t.untyped_storage()
         self.sid[st] = len(self.bytes)
-        self.bytes.append(st.nbytes())
+        self.bytes.append(st.nbytes() if nbytes is None else nbytes)
         self.producer.append(self.node)
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
             self.ops[self.node] += 1
-            if draws_random(func, args, kwargs):
+            if draws_random(func, args, kwargs, self.deterministic_ops):
                 self.random.add(self.node)
-            written = {id(t) for a, t in zip(func._schema.arguments, args)
-                       if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor)}
-            written |= {id(kwargs[a.name]) for a in func._schema.arguments
-                        if a.alias_info is not None and a.alias_info.is_write and isinstance((kwargs or {}).get(a.name), torch.Tensor)}
+            written = written_args(func, args, kwargs)
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
                     self._read(t, id(t) in written)
@@ -221,33 +275,49 @@ def _module_of(n: fx.Node) -> str:
 
 
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
-            opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None) -> CostGraph:
+            opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None,
+            keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset()) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
     for backward (as cross-entropy keeps its log-softmax), so the plan leaves room for a loss.
+    The step is `loss_fn(gm(**inputs)).backward()`: the output is released once the loss is
+    computed (what the loss saves stays), unless `keep_output` (the caller holds it through
+    backward). Ops outside torch's own namespaces draw random numbers unless named in
+    `deterministic_ops` ("namespace::name").
     """
 
     rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
     nodes = compute_nodes(gm)
     real_state = _state(gm)
     opaque_state = {m: {k[len(m) + 1:]: v for k, v in real_state.items() if k.startswith(m + ".")} for m in opaque}
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         state = {k: fake_mode.from_tensor(v) for k, v in real_state.items()}
         buffer_names = [k for k, _ in gm.named_buffers(remove_duplicate=False)]
         fake_in = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         fixed = list(state.values()) + [t for t in tree_flatten(fake_in)[0] if isinstance(t, torch.Tensor)]
-        mode = _ProfileMode(baseline=fixed)
-        fixed_storages = [t.untyped_storage() for t in fixed]
-        mode.track_fixed(fixed_storages)
+        real = list(real_state.values()) + [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        mode = _ProfileMode(baseline=fixed, deterministic_ops=deterministic_ops)
+        mode.track_fixed([t.untyped_storage() for t in fixed], [t.untyped_storage() for t in real])
+        fixed_storages = mode.fixed_storages      # grows: tensors the step reads that it did not make
         grad_params = {id(fixed_storages[i]): t for i, t in enumerate(fixed) if t.requires_grad and t.is_leaf}
         flops = FlopCounterMode(display=False)
         runner = _Runner(gm, mode, flops, opaque_state, examples or {})
         with _reparametrize_module(gm, state), flops, mode:
             out = runner.run(*placeholder_values(gm, fake_in))
+            runner.env.clear()
             loss_i = len(nodes)
             loss = runner.measure(loss_i, lambda: _loss(out, loss_fn))
+            outputs = {mode.sid[t.untyped_storage()] for t in tree_flatten(out)[0]
+                       if keep_output and isinstance(t, torch.Tensor) and t.untyped_storage() in mode.sid}
+            if not keep_output:
+                del out
             bwd = _backward(loss, runner)
+            del loss
+            # storages the step made that outlive it: a module attribute set in forward (the
+            # weight spectral_norm's pre-hook computes), a cache; held like an output, to the end
+            outputs |= {sid for sid in mode.sid.values()}
+    fixed_at_start = sum(st.nbytes() for st in {id(s): s for s in fixed_storages[:len(fixed)]}.values())
     # the last node whose backward makes each parameter's gradient
     param_grad = [0] * (len(nodes) + 1)
     for fid, users in mode.fixed_users.items():
@@ -261,6 +331,9 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         if id(fixed_storages[fid]) not in buffer_ids:
             for w in writers:
                 writes_fixed[w] = "writes a parameter or an input in place"
+    # buffers the step writes in place: a region's recompute must see them as its forward did
+    mutated = {id(fixed_storages[fid]) for fid in mode.fixed_mutated}
+    mutated_buffers = sorted(k for k in buffer_names if id(state[k].untyped_storage()) in mutated)
     grad_last = [loss_i] * (len(nodes) + 1)
     for n, i in runner.index.items():
         users = [runner.index.get(u, loss_i) for u in n.users]
@@ -277,12 +350,11 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             flops=int(r["flops"]),
             cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
             ops=mode.ops[i], random=i in mode.random or i in runner.host_random,
+            opaque=not is_loss and nodes[i].op == "call_module" and nodes[i].target in runner.opaque,
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
             param_grad_bytes=param_grad[i], recomputable=not why, why_not=why,
         ))
-    outputs = {mode.sid[t.untyped_storage()] for t in tree_flatten(out)[0]
-               if isinstance(t, torch.Tensor) and t.untyped_storage() in mode.sid}
     storages = tuple(
         StorageCost(b, p, tuple(sorted(mode.users.get(s, ()))), tuple(sorted(runner.holders.get(s, ()))),
                     s in outputs, tuple(sorted(mode.mutated.get(s, ()))))
@@ -293,13 +365,18 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         fixed_bytes=sum(st.nbytes() for st in {id(s): s for s in fixed_storages}.values()),
         region_s=rates.region_s, sac_op_s=rates.sac_op_s,
         param_bytes=sum(st.nbytes() for st in {id(p.untyped_storage()): p.untyped_storage() for p in grad_params.values()}.values()),
-        meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in"},
+        meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in",
+              "mutated_buffers": mutated_buffers, "keep_output": keep_output,
+              "deterministic_ops": sorted(deterministic_ops)},
     )
     # Calibrate: whatever the measured backward peak of a node holds beyond the model's account.
+    # The meter counted the tensors the step read but did not make (`late`) only from their first read.
+    late = cg.fixed_bytes - fixed_at_start
     model_bwd = timeline(cg, ()).bwd
-    nodes_cal = tuple(replace(c, bwd_extra_bytes=max(0, bwd.get(i, 0) - model_bwd[i]))
+    nodes_cal = tuple(replace(c, bwd_extra_bytes=max(0, bwd.get(i, 0) + late - model_bwd[i]))
                       for i, c in enumerate(cg.nodes))
-    return replace(cg, nodes=nodes_cal, meta={**cg.meta, "measured_peak_bytes": max(mode.peak_bytes, max(bwd.values(), default=0))})
+    measured = max(mode.peak_bytes, max(bwd.values(), default=0)) + late
+    return replace(cg, nodes=nodes_cal, meta={**cg.meta, "measured_peak_bytes": measured})
 
 
 def _state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:

@@ -22,6 +22,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+# ATen kernels that return a reduced loss (mean or sum) as a 0-dim view of their unreduced,
+# input-sized buffer: the real output pins a storage as large as the input until the loss is
+# freed, where the fake (meta) output holds one element. tests/test_storage.py checks this
+# table against the real kernels, and that torch's other losses do not do it.
+PINNING_LOSSES = frozenset({"aten::mse_loss", "aten::smooth_l1_loss", "aten::binary_cross_entropy"})
+
+
+def output_storage_bytes(func, args, kwargs, t: torch.Tensor) -> int:
+    """The bytes of the storage the real kernel of `func` gives its output `t` (for a fake or
+    meta `t`, what the real kernel would allocate; for a real one, what it did)."""
+    n = t.untyped_storage().nbytes()
+    if func._schema.name not in PINNING_LOSSES or not (t.is_meta or type(t).__name__ == "FakeTensor"):
+        return n
+    names = [a.name for a in func._schema.arguments]
+    reduction = (kwargs or {}).get("reduction", args[names.index("reduction")] if len(args) > names.index("reduction") else 1)
+    if reduction == 0:                      # 'none': the output is the unreduced buffer already
+        return n
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    return max(n, shape.numel() * t.element_size())
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
@@ -35,28 +56,42 @@ class LiveBytes(TorchDispatchMode):
 
     `baseline` tensors (parameters, buffers, inputs) are counted from the start and tracked for
     frees like everything else. `on_alloc(storage, nbytes)` is called for each new storage.
+
+    A tensor an op reads that no op made and the baseline does not hold (a loss target, a mask
+    or a constant the step closes over) existed before the step and outlives it: it is counted
+    once, as if it had been in the baseline from the start (`read_bytes`, included in
+    `peak_bytes`). `known` tensors are counted elsewhere already (the real tensors a fake
+    baseline was made from) and are never counted again.
     """
 
-    def __init__(self, baseline: Iterable[torch.Tensor] = (), on_alloc=None):
+    def __init__(self, baseline: Iterable[torch.Tensor] = (), on_alloc=None, known: Iterable[torch.Tensor] = ()):
         super().__init__()
         self._sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._read_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> bytes
+        for t in known:
+            self._read_sizes[storage_of(t)] = 0
         self.live_bytes = 0
-        self.peak_bytes = 0
+        self.read_bytes = 0        # storages read but made before the step (see class doc)
+        self._peak = 0
         self._on_alloc = on_alloc
         for t in baseline:
             self.add(t)
-        self.peak_bytes = self.live_bytes
+        self._peak = self.live_bytes
 
-    def add(self, t: torch.Tensor) -> bool:
-        """Count `t`'s storage if it is new; return whether it was."""
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak + self.read_bytes
+
+    def add(self, t: torch.Tensor, nbytes: int | None = None) -> bool:
+        """Count `t`'s storage (`nbytes`, default its size) if it is new; return whether it was."""
         st = storage_of(t)
         if st in self._sizes:
             return False
-        n = st.nbytes()
+        n = st.nbytes() if nbytes is None else nbytes
         self._sizes[st] = n
         self.live_bytes += n
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+        if self.live_bytes > self._peak:
+            self._peak = self.live_bytes
         weakref.finalize(st, self._free, n)
         if self._on_alloc is not None:
             self._on_alloc(st, n)
@@ -66,11 +101,23 @@ class LiveBytes(TorchDispatchMode):
         self.live_bytes -= n
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
+        self._peak = self.live_bytes
+
+    def read(self, t: torch.Tensor) -> bool:
+        """Count `t`'s storage if no op made it and it is not counted yet; return whether it was."""
+        st = storage_of(t)
+        if st in self._sizes or st in self._read_sizes:
+            return False
+        self._read_sizes[st] = st.nbytes()
+        self.read_bytes += st.nbytes()
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.read(t)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.add(t)
+                self.add(t, output_storage_bytes(func, args, kwargs, t))
         return out

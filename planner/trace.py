@@ -68,6 +68,22 @@ class FrozenRandomness(RuntimeError):
     """Tracing drew random numbers: the graph would replay that one draw on every step."""
 
 
+class FrozenState(RuntimeError):
+    """Tracing wrote a real tensor: the graph would hold the write's result as a constant."""
+
+
+def _tensor_versions(m: torch.nn.Module) -> list[int]:
+    """Version counters of the tensors a module's forward can reach as attributes, its own and
+    its submodules' (parameters, buffers, plain tensor attributes): tracing runs no real op on
+    them unless it is about to freeze one into the graph."""
+    out = []
+    for sub in m.modules():
+        out += [t._version for t in vars(sub).values() if isinstance(t, torch.Tensor)]
+        out += [t._version for t in sub._buffers.values() if t is not None]
+        out += [t._version for t in sub._parameters.values() if t is not None]
+    return out
+
+
 def _rng_state() -> tuple:
     """Every global RNG a forward may draw from while being traced."""
     state = [torch.random.get_rng_state(), random.getstate()]
@@ -89,8 +105,11 @@ class _LeafTracer(fx.Tracer):
     in forward) fails like an untraceable one: fx would freeze the draw into the graph.
     """
 
-    def __init__(self, extra_leaves: frozenset[str]):
+    def __init__(self, extra_leaves: frozenset[str] = frozenset()):
         super().__init__()
+        # buffers become graph attributes, as parameters do: a read of `self.scale` is read at
+        # run time, and an in-place update is a node of the graph (not run once, at trace time)
+        self.proxy_buffer_attributes = True
         self.extra_leaves = extra_leaves
         self.failed_in: str | None = None
 
@@ -103,12 +122,15 @@ class _LeafTracer(fx.Tracer):
         qualname = self.path_of_module(m)
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
-        before = _rng_state()
+        before, versions = _rng_state(), _tensor_versions(m)
         try:
             out = super().call_module(m, forward, args, kwargs)
             if not _same(before, _rng_state()):
                 raise FrozenRandomness(f"{type(m).__name__}.forward draws random numbers in Python while "
                                        "traced (e.g. torch.rand(()) < p deciding a branch); a trace would freeze them")
+            if versions != _tensor_versions(m):
+                raise FrozenState(f"{type(m).__name__}.forward writes a tensor attribute in place while traced "
+                                  "(one that is not a registered buffer); a trace would run the write once")
         except Exception:
             if self.failed_in is None:
                 self.failed_in = qualname
@@ -240,11 +262,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     while True:
         tracer = _LeafTracer(frozenset(opaque))
         try:
-            before = _rng_state()
+            before, versions = _rng_state(), _tensor_versions(model)
             graph = tracer.trace(model, concrete_args=concrete or None)
             if not _same(before, _rng_state()):
                 raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
                                        "while traced; a trace would freeze them")
+            if versions != _tensor_versions(model):
+                raise FrozenState(f"{type(model).__name__}.forward writes a tensor attribute in place while "
+                                  "traced; a trace would run the write once")
             break
         except Exception as e:  # fx raises many types; we classify by where, not by message
             where = tracer.failed_in

@@ -11,6 +11,7 @@ from planner import PlanOptions, analyze, budget_to_bytes, solve_plan
 from planner.errors import TraceError
 from planner.result import Plan
 from planner.simulate import timeline
+from planner.state import mode_key, training_modes
 
 from .compiled import CompiledReplay
 from .modules import checkpointing, plan_modules
@@ -29,23 +30,55 @@ def exact_replay(model: torch.nn.Module, analysis, loss_fn):
     opaque = tuple(m for m, _ in analysis.traced.opaque)
 
     def measure(regions) -> int:
-        skeleton = Plan.of_regions(regions, tuple(c.name for c in analysis.cost_graph.nodes))
-        replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples)
+        skeleton = Plan.of_regions(regions, tuple(c.name for c in analysis.cost_graph.nodes), analysis.cost_graph.meta)
+        with training_modes(model):             # the step planned is a training step (planner.state)
+            replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples,
+                                    keep_output=analysis.cost_graph.meta.get("keep_output", False))
         return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if opaque else replayed
     return measure
 
 
-def _shape_key(args: tuple, kwargs: dict) -> tuple:
-    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values;
-    the autocast state (it changes activation dtypes, hence sizes)."""
+def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:
+    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values (by
+    value: `_value_key`); the autocast state (it changes activation dtypes, hence sizes); the
+    modes the training step runs its modules in (a graph bakes them in)."""
     leaves, spec = tree_flatten((args, kwargs))
-    key = [str(spec), _autocast_state()]
+    key = [str(spec), _autocast_state(), mode_key(model) if model is not None else ()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             key.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         else:
-            key.append(repr(x))
+            key.append(_value_key(x))
     return tuple(key)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(Ellipsis))
+
+
+def _value_key(x, depth: int = 0):
+    """A non-tensor input by value: equal values share a plan, whatever their identity or repr.
+    Plain values stand for themselves; containers by their items; an object with its own
+    equality and hash by itself; any other object by its type and attributes (its default repr
+    carries its address, which would re-plan on every call)."""
+    if isinstance(x, _PLAIN) or depth > 4:
+        return (type(x).__name__, x) if isinstance(x, _PLAIN) else (type(x).__qualname__, id(x))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_value_key(v, depth + 1) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((repr(k), _value_key(v, depth + 1)) for k, v in x.items()))
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    cls = type(x)
+    if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
+        try:
+            hash(x)
+            return (cls.__qualname__, x)
+        except TypeError:
+            pass
+    attrs = getattr(x, "__dict__", None)
+    if attrs is None:
+        return (cls.__qualname__, repr(x))
+    return (cls.__module__, cls.__qualname__, tuple(sorted((k, _value_key(v, depth + 1)) for k, v in attrs.items())))
 
 
 def _autocast_state() -> tuple:
@@ -90,11 +123,12 @@ class RematModule(torch.nn.Module):
 
     def plan_for(self, *args, **kwargs) -> Plan:
         """Plan (or fetch the cached plan) for inputs like these, without running the model."""
-        key = _shape_key(args, kwargs)
+        model = self._model[0]
+        key = _shape_key(args, kwargs, model)
         if key not in self._plans:
-            model = self._model[0]
             try:
-                a = analyze(model, args, kwargs, self._loss_fn, self._options.rates)
+                a = analyze(model, args, kwargs, self._loss_fn, self._options.rates,
+                            keep_output=self._options.keep_output, deterministic_ops=self._options.deterministic_ops)
             except TraceError as e:             # no graph at all: plan over the module tree
                 if self._compile is not None:
                     raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "

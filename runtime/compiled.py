@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from planner.result import Plan
+from planner.state import training_modes
 
 from .measure import peak_memory, preserved
 from .rewrite import rewrite
@@ -41,7 +42,7 @@ class CompiledReplay:
         """The compiled model rewritten with `regions` (compiled once per plan)."""
         key = tuple(regions)
         if key not in self.compiled:
-            gm = rewrite(self.model, self.analysis.traced.gm, Plan.of_regions(key, self.names))
+            gm = rewrite(self.model, self.analysis.traced.gm, Plan.of_regions(key, self.names, self.analysis.cost_graph.meta))
             self.compiled[key] = torch.compile(gm, **self.compile_kwargs)
         return self.compiled[key]
 
@@ -54,7 +55,8 @@ class CompiledReplay:
             compiled = self.module(key)
             inputs = [x for x in self.analysis.example_inputs.values() if isinstance(x, torch.Tensor)]
             device = next((x.device for x in inputs), torch.device("cpu"))
-            with preserved(self.model):
+            with preserved(self.model), training_modes(self.model):
+                compiled.train()
                 for p in self.model.parameters():
                     p.grad = None
                 self._step(compiled)                    # compiles (forward and backward graphs)

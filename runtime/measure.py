@@ -8,6 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
+from planner.rng import rng_preserved
 from planner.storage import LiveBytes
 
 
@@ -76,7 +77,7 @@ def preserved(model: torch.nn.Module):
     grads = {p: p.grad for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=[]):
+        with rng_preserved():
             yield
     finally:
         with torch.no_grad():

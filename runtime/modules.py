@@ -17,9 +17,11 @@ from planner import PlanOptions
 from planner.errors import InfeasibleBudgetError
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
+from planner.state import training_modes
 
 from .measure import peak_memory, preserved
-from .rewrite import _restoring
+from .rewrite import rewinding
+from .verify import training_loss
 
 PATH = "module tree"
 
@@ -28,7 +30,7 @@ def _checkpointed(module: torch.nn.Module, forward):
     def run(*args, **kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        contexts = lambda: (contextlib.nullcontext(), _restoring(contextlib.nullcontext(), [module], []))  # noqa: E731
+        contexts = lambda: (contextlib.nullcontext(), rewinding(list(module.buffers())))  # noqa: E731
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs)
     return run
 
@@ -50,10 +52,7 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
 def measure_step(model, args, kwargs, loss_fn, names) -> int:
     """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored)."""
     def step():
-        out = model(*args, **kwargs)
-        loss = loss_fn(out) if loss_fn else sum(t.float().exp().sum() for t in torch.utils._pytree.tree_leaves(out)
-                                                if isinstance(t, torch.Tensor) and t.requires_grad)
-        loss.backward()
+        training_loss(model(*args, **kwargs), loss_fn).backward()
     with preserved(model), checkpointing(model, names):
         for p in model.parameters():
             p.grad = None           # the step's own grads are counted, not the ones it started with
@@ -62,7 +61,14 @@ def measure_step(model, args, kwargs, loss_fn, names) -> int:
 
 def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, options: PlanOptions,
                  why: str) -> Plan:
-    """A Plan over the module tree: units chosen by planner.modules, each choice measured."""
+    """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
+    the modes of the training step (planner.state)."""
+    with training_modes(model):
+        return _plan_modules(model, args, kwargs, loss_fn, budget_bytes, options, why)
+
+
+def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, options: PlanOptions,
+                  why: str) -> Plan:
     t0 = time.perf_counter()
     prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]

@@ -38,7 +38,7 @@ def _is_view(op) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
-def _policy(ctx, op, *args, **kwargs):
+def _policy(ctx, op, *args, deterministic_ops: frozenset[str] = frozenset(), **kwargs):
     """Save what the plan's saved nodes compute. Views are recomputed (they cost nothing, and a
     cached view would pin its base: often a tensor the plan drops); in-place ops stay cached so
     that a recompute never applies them twice.
@@ -49,7 +49,7 @@ def _policy(ctx, op, *args, **kwargs):
     `empty_like` then `bernoulli_`). The planner never keeps such nodes
     (planner.baselines.sac_keepable); a plan that does is refused here, before anything is wrong."""
     if getattr(_SAVE, "depth", 0) > 0 and not _is_view(op):
-        if draws_random(op, args, kwargs):
+        if draws_random(op, args, kwargs, deterministic_ops):
             raise UnsafePlanError(f"the plan keeps node {getattr(_SAVE, 'node', '?')!r}, which draws random numbers "
                                   f"({op}); its recompute could not replay them. Re-plan: remat's planner never "
                                   "keeps such nodes")
@@ -57,30 +57,43 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-class _RestoreBuffers:
-    """Recompute context: buffers (BatchNorm running stats) end as they began, so a recomputed
-    region does not update them a second time. Buffers are those of the region's modules and
-    those it reads as inputs (graph attributes, as torch.export graphs read them)."""
+class _Rewound:
+    """Recompute context: the buffers a region reads or writes (BatchNorm statistics, a
+    spectral norm's power-iteration vectors, a counter) are, while it recomputes, what its
+    forward saw (`seen`, taken when the forward started), and afterwards again what the
+    forward (and everything since) left: the recompute computes what the forward did, and
+    updates nothing a second time."""
 
-    def __init__(self, modules: list[torch.nn.Module], tensors: list[torch.Tensor]):
-        self.modules, self.tensors = modules, tensors
+    def __init__(self, tensors: list[torch.Tensor], seen: list[torch.Tensor]):
+        self.tensors, self.seen = tensors, seen
 
     def __enter__(self):
-        # looked up now: .to() replaces module buffers
-        self.buffers = [b for m in self.modules for b in m.buffers()] + self.tensors
-        self.saved = [b.detach().clone() for b in self.buffers]
+        with torch.no_grad():
+            self.left = [t.detach().clone() for t in self.tensors]
+            for t, s in zip(self.tensors, self.seen):
+                t.copy_(s)
 
     def __exit__(self, *exc):
         with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved):
-                b.copy_(s)
-        self.buffers = self.saved = None
+            for t, s in zip(self.tensors, self.left):
+                t.copy_(s)
+        self.left = None
         return False
 
 
+def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):
+    """The recompute context of a region whose forward starts now, reading or writing `tensors`
+    (see `_Rewound`); `recompute_ctx` (a SAC context) runs inside it."""
+    if not tensors:
+        return recompute_ctx or contextlib.nullcontext()
+    with torch.no_grad():
+        seen = [t.detach().clone() for t in tensors]
+    return _rewound(recompute_ctx or contextlib.nullcontext(), tensors, seen)
+
+
 @contextlib.contextmanager
-def _restoring(recompute_ctx, modules: list[torch.nn.Module], tensors: list[torch.Tensor]):
-    with _RestoreBuffers(modules, tensors), recompute_ctx:
+def _rewound(recompute_ctx, tensors: list[torch.Tensor], seen: list[torch.Tensor]):
+    with _Rewound(tensors, seen), recompute_ctx:
         yield
 
 
@@ -105,22 +118,27 @@ class CheckpointRegion(torch.nn.Module):
     """
 
     def __init__(self, graph_module: fx.GraphModule, node_names: list[str], saved: list[str],
-                 stateful: list[torch.nn.Module], buffer_args: tuple[int, ...] = ()):
+                 state: list[tuple[torch.nn.Module, str]], buffer_args: tuple[int, ...] = (),
+                 rewound_args: tuple[int, ...] = (), deterministic_ops: frozenset[str] = frozenset()):
         super().__init__()
         self._gm = (graph_module,)        # a tuple: not a registered submodule
         self.node_names, self.saved = node_names, saved
-        self._stateful = tuple(stateful)  # modules whose buffers a recompute must not change
-        self._buffer_args = buffer_args   # positions of inputs that are buffers (likewise)
+        self._state = tuple(state)        # (module, buffer name): buffers the recompute rewinds
+        self._buffer_args = buffer_args   # positions of inputs that are buffers (passed by closure)
+        self._rewound_args = rewound_args  # those of them the recompute rewinds
+        self._deterministic_ops = deterministic_ops
 
     def extra_repr(self) -> str:
         return f"{self.node_names[0]}..{self.node_names[-1]} ({len(self.node_names)} nodes), saves {self.saved}"
 
     def _contexts(self, args: tuple):
-        fwd, rec = ((create_selective_checkpoint_contexts(_policy, allow_cache_entry_mutation=True)) if self.saved
+        """Called by checkpoint as the region's forward starts: the buffers it will rewind to
+        are snapshotted now."""
+        policy = functools.partial(_policy, deterministic_ops=self._deterministic_ops)
+        fwd, rec = ((create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)) if self.saved
                     else (contextlib.nullcontext(), contextlib.nullcontext()))
-        if self._stateful or self._buffer_args:
-            rec = _restoring(rec, list(self._stateful), [args[i] for i in self._buffer_args])
-        return _scoped(fwd), _scoped(rec)
+        tensors = [getattr(m, name) for m, name in self._state] + [args[i] for i in self._rewound_args]
+        return _scoped(fwd), _scoped(rewinding(tensors, rec))
 
     def forward(self, *args):
         gm = self._gm[0]
@@ -171,9 +189,24 @@ def _region_graph(nodes: list[fx.Node], saved: set[str]) -> tuple[fx.Graph, list
     return g, inputs, outputs
 
 
-def _stateful_modules(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[torch.nn.Module]:
-    mods = [gm.get_submodule(n.target) for n in nodes if n.op == "call_module"]
-    return [m for m in mods if next(m.buffers(), None) is not None]
+def _region_state(gm: fx.GraphModule, nodes: list[fx.Node], rewind) -> list[tuple[torch.nn.Module, str]]:
+    """(module, buffer name) of the buffers of the region's modules that `rewind(qualified name)`
+    says the step writes."""
+    out = []
+    for n in nodes:
+        if n.op == "call_module":
+            for qual, _ in gm.get_submodule(n.target).named_buffers(prefix=n.target, remove_duplicate=False):
+                owner, _, name = qual.rpartition(".")
+                if rewind(qual):
+                    out.append((gm.get_submodule(owner), name))
+    return out
+
+
+def _rewind_rule(plan: Plan):
+    """Which buffers a region's recompute rewinds: those the profile saw the step write
+    (`mutated_buffers` in the plan's meta); every buffer of the region when the plan does not say."""
+    mutated = plan.meta.get("mutated_buffers")
+    return (lambda name: True) if mutated is None else frozenset(mutated).__contains__
 
 
 def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -185,6 +218,7 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
     if list(plan.node_names[:len(names)]) != names:
         raise ValueError("plan does not match this graph (was it made for another model or input shape?)")
     region_at = {r.start: (k, r) for k, r in enumerate(plan.regions)}
+    rewind = _rewind_rule(plan)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     regions: dict[str, CheckpointRegion] = {}
@@ -204,8 +238,11 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
             buffers = {id(b) for b in gm.buffers()}
             buffer_args = tuple(j for j, a in enumerate(inputs) if a.op == "get_attr"
                                 and id(functools.reduce(getattr, a.target.split("."), gm)) in buffers)
+            rewound = tuple(j for j in buffer_args if rewind(inputs[j].target))
+            _refuse_opaque_kept(plan, body, saved)
             regions[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved),
-                                             _stateful_modules(gm, body), buffer_args)
+                                             _region_state(gm, body, rewind), buffer_args, rewound,
+                                             frozenset(plan.meta.get("deterministic_ops", ())))
             for a in inputs:
                 if a.op == "get_attr" and a not in env:
                     env[a] = graph.get_attr(a.target)
@@ -231,6 +268,16 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
     out.train(model.training)
     _check(out, plan)
     return out
+
+
+def _refuse_opaque_kept(plan: Plan, body: list[fx.Node], saved: set[str]) -> None:
+    """A SAC region must not keep an opaque module: its policy would cache every op inside it,
+    which the memory model (the module's stand-in) does not hold. The planner never does."""
+    opaque = {m for m, _ in plan.opaque}
+    for n in body:
+        if n.name in saved and n.op == "call_module" and n.target in opaque:
+            raise UnsafePlanError(f"the plan keeps node {n.name!r}, the opaque module {n.target!r}: a SAC policy "
+                                  "would cache every op inside it. Re-plan: remat's planner never keeps opaque modules")
 
 
 def adopt(out: fx.GraphModule, model: torch.nn.Module) -> None:

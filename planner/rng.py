@@ -1,0 +1,51 @@
+"""Every random number generator a step can draw from, left as it was found.
+
+Planning runs the user's model (fake steps, real runs of opaque modules, measured steps):
+whatever it draws must not shift the user's own random stream. That is torch's CPU generator,
+every accelerator's generators (CUDA and the like: `torch.random.fork_rng(devices=[])` covers
+the CPU only), and Python's and numpy's global RNGs (checkpoint replays only torch's).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+
+import torch
+
+
+def _accelerator() -> tuple[str, list[int]] | None:
+    """The accelerator's device type and its device indices, or None without one."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return None
+    kind = acc.current_accelerator().type
+    return kind, list(range(acc.device_count()))
+
+
+@contextlib.contextmanager
+def rng_preserved():
+    """torch's CPU and accelerator generators, Python's and numpy's RNGs end as they began."""
+    acc = _accelerator()
+    fork = (torch.random.fork_rng(devices=acc[1], device_type=acc[0]) if acc
+            else torch.random.fork_rng(devices=[]))
+    with fork, host_rng_restored():
+        yield
+
+
+@contextlib.contextmanager
+def host_rng_restored(drawn: list | None = None):
+    """Python's and numpy's global RNG end as they began; appends to `drawn` whether the block
+    drew from them. Checkpoint replays only torch's RNG, so a module that draws from these
+    cannot be recomputed."""
+    np = sys.modules.get("numpy")
+    before = (random.getstate(), np.random.get_state() if np else None)
+    try:
+        yield
+    finally:
+        if drawn is not None:
+            drawn.append(random.getstate() != before[0]
+                         or (np is not None and repr(np.random.get_state()) != repr(before[1])))
+        random.setstate(before[0])
+        if np is not None:
+            np.random.set_state(before[1])
