@@ -29,6 +29,7 @@ class OpaqueCost:
     fwd_extra_bytes: int                     # forward peak above its inputs, outputs excluded
     bwd_extra_bytes: int                     # backward peak above its inputs' and outputs' grads
     host_random: bool = False                # drew Python or numpy random numbers
+    writes_state: bool = False               # wrote a tensor attribute of its own in place
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     else:
         x = torch.zeros(t.shape, dtype=t.dtype)
     return x.requires_grad_(t.requires_grad)
+
+
+def attribute_versions(module: torch.nn.Module) -> list[int]:
+    """Version counters of the plain tensor attributes (neither parameters nor buffers) of a
+    module and its submodules: a forward that bumps one writes state a recompute would write again."""
+    return [t._version for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
 
 
 def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> dict[str, list]:
@@ -101,8 +108,10 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
         with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False) as fc:
             start = live.live_bytes
             drawn: list[bool] = []
+            versions = attribute_versions(module)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
                 out = torch.func.functional_call(module, state, r_args, r_kwargs)
+            writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
@@ -114,7 +123,7 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             made_grads = sum(x.numel() * x.element_size() for x in inputs + list(state.values()) if x.requires_grad)
             bwd_extra = max(0, live.peak_bytes - before_bwd - made_grads)
         cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), sum(internal.values()),
-                          fwd_extra, bwd_extra, drawn[0])
+                          fwd_extra, bwd_extra, drawn[0], writes_state)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes
 

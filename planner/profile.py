@@ -230,6 +230,9 @@ class _Runner(fx.Interpreter):
         out, cost = stand_in(self.module.get_submodule(n.target), self.opaque[n.target], args, kwargs,
                              self.examples.get(n.target))
         self.flops.flop_counts["Global"][_OPAQUE_FLOPS] += cost.flops
+        if cost.writes_state:
+            self.host_random[self.index[n]] = ("writes a tensor attribute of its own in place, which a recompute "
+                                               "would write again")
         if cost.host_random:
             self.host_random[self.index[n]] = ("draws Python or numpy random numbers, which a recompute "
                                                "would draw again (checkpoint replays only torch's RNG)")
@@ -289,7 +292,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
 
     rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
     nodes = compute_nodes(gm)
-    real_state = _state(gm)
+    real_state = graph_state(gm)
     opaque_state = {m: {k[len(m) + 1:]: v for k, v in real_state.items() if k.startswith(m + ".")} for m in opaque}
     with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         state = {k: fake_mode.from_tensor(v) for k, v in real_state.items()}
@@ -349,7 +352,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             module="" if is_loss else _module_of(nodes[i]),
             flops=int(r["flops"]),
             cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
-            ops=mode.ops[i], random=i in mode.random or i in runner.host_random,
+            ops=mode.ops[i], random=i in mode.random or (i in runner.host_random and 'random' in runner.host_random[i]),
             opaque=not is_loss and nodes[i].op == "call_module" and nodes[i].target in runner.opaque,
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
@@ -379,7 +382,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     return replace(cg, nodes=nodes_cal, meta={**cg.meta, "measured_peak_bytes": measured})
 
 
-def _state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+def graph_state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """Parameters, buffers and tensor constants by qualified name (tied ones under every name)."""
     named = dict(gm.named_parameters(remove_duplicate=False))
     named.update(gm.named_buffers(remove_duplicate=False))

@@ -37,12 +37,12 @@ def training_modes(model: torch.nn.Module):
 
 @contextlib.contextmanager
 def state_preserved(model: torch.nn.Module):
-    """Buffers keep their values and plain tensor attributes their objects (a forward pre-hook
-    such as spectral_norm's sets `module.weight`), whatever a trace or profile runs."""
+    """Buffers keep their values, and plain tensor attributes their objects (a forward pre-hook
+    such as spectral_norm's sets `module.weight`) and values, whatever a trace or profile runs."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     versions = [b._version for b, _ in buffers]
-    attrs = [(m, k, v) for m in model.modules() for k, v in vars(m).items()
-             if isinstance(v, torch.Tensor) and not k.startswith("_")]
+    attrs = [(m, k, v, v._version, v.detach().clone()) for m in model.modules() for k, v in vars(m).items()
+             if isinstance(v, torch.Tensor)]
     try:
         yield
     finally:
@@ -50,5 +50,7 @@ def state_preserved(model: torch.nn.Module):
             for (b, saved), v in zip(buffers, versions):
                 if b._version != v:
                     b.copy_(saved)
-        for m, k, v in attrs:
-            m.__dict__[k] = v
+            for m, k, v, version, saved in attrs:
+                m.__dict__[k] = v
+                if v._version != version:
+                    v.copy_(saved)

@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_flatten
 # input-sized buffer: the real output pins a storage as large as the input until the loss is
 # freed, where the fake (meta) output holds one element. tests/test_storage.py checks this
 # table against the real kernels, and that torch's other losses do not do it.
-PINNING_LOSSES = frozenset({"aten::mse_loss", "aten::smooth_l1_loss", "aten::binary_cross_entropy"})
+PINNING_LOSSES = frozenset({"aten::mse_loss", "aten::smooth_l1_loss", "aten::soft_margin_loss",
+                            "aten::binary_cross_entropy"})
 
 
 def output_storage_bytes(func, args, kwargs, t: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.opaque import real_state, stand_in
+from planner.profile import graph_state
 from planner.rng import rng_preserved
 from planner.storage import LiveBytes
 
@@ -57,8 +58,7 @@ def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[
     memory behaviour (planner.opaque)."""
     with _standing_in(gm, opaque, examples or {}), rng_preserved(), \
             FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        named = dict(gm.named_parameters(remove_duplicate=False))
-        named.update(gm.named_buffers(remove_duplicate=False))
+        named = graph_state(gm)      # tensor constants too: a graph may write one in place
         state = {k: fake.from_tensor(v) for k, v in named.items()}
         fake_kwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, kwargs)
         baseline = list(state.values()) + [t for t in tree_flatten(fake_kwargs)[0] if isinstance(t, torch.Tensor)]
