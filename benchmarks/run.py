@@ -3,8 +3,9 @@
     python benchmarks/run.py [--models gpt2,resnet] [--budgets 0.3,0.5,0.7] [--quick] [--repeats 7]
 
 Budgets are fractions of the way from the smallest feasible peak to the unplanned peak. Per
-model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, ours,
-ours then torch.compile, torch.compile with an activation memory budget) is checked to give the
+model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, for
+Hugging Face models their own `gradient_checkpointing_enable()`, ours, ours then torch.compile,
+torch.compile with an activation memory budget) is checked to give the
 unplanned model's loss and gradients, then measured: real peak, median step time
 (forward+backward; the strategies timed in turn, round by round) as a ratio to no checkpointing,
 recomputed FLOPs, planning time.
@@ -18,6 +19,7 @@ import argparse
 import copy
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +99,24 @@ def compile_row(search: CompileSearch, budget: int) -> dict | None:
 
 
 REMAT_COMPILE = "remat + torch.compile"
+HF_GC = "HF gradient_checkpointing_enable"
+
+
+def hf_checkpointed(ex, ref) -> tuple[torch.nn.Module, int, bool] | None:
+    """A Hugging Face model's own per-block checkpointing, as its users turn it on
+    (`gradient_checkpointing_enable`, non-reentrant), on a fresh copy: the model, its peak, and
+    whether it gives the reference result; None for other models. Measured as run_rewritten is."""
+    if not hasattr(ex.model, "gradient_checkpointing_enable"):
+        return None
+    model = copy.deepcopy(ex.model)
+    with warnings.catch_warnings():    # transformers 5 calls it a deprecated alias of activation_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    same = same_result(model, step(model, ex), ref)
+    model.zero_grad(set_to_none=True)
+    peak = peak_memory(lambda: step(model, ex), model, *ex.inputs)
+    model.zero_grad(set_to_none=True)
+    return model, peak, same
 
 
 def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
@@ -109,6 +129,9 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     strategies["remat (ours)"] = (ours.regions, ours_s)
     names = tuple(c.name for c in cg.nodes)
     runs = {label: run_rewritten(ex, Plan.of_regions(regions, names), ref) for label, (regions, _) in strategies.items()}
+    hf = hf_checkpointed(ex, ref)
+    if hf is not None:
+        runs[HF_GC] = hf
     torch._dynamo.reset()
     compiled, notes = {}, []
     try:
@@ -125,7 +148,8 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     secs = median_step_s({label: gm for label, (gm, _, _) in runs.items()}
                          | {label: c.module for label, c in compiled.items()}, ex, s.repeats)
     rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label] / secs["none"],
-                 gflop=timeline(cg, strategies[label][0]).recompute_flops / 1e9, plan_s=strategies[label][1],
+                 gflop=timeline(cg, strategies[label][0]).recompute_flops / 1e9 if label in strategies else None,
+                 plan_s=strategies[label][1] if label in strategies else 0.0,
                  same=same, compiled=False, checked=True) for label, (_, peak, same) in runs.items()]
     for label, c in compiled.items():
         regions = c.plan.regions
@@ -193,6 +217,7 @@ def plots(results: dict[str, ModelResult], stem: str) -> tuple[list[Path], list[
     """A Pareto plot per benchmarked model; a note instead when matplotlib is missing."""
     from benchmarks.plot import MARKERS, pareto
     MARKERS.setdefault(REMAT_COMPILE, "p")              # plot.py's own markers are the other strategies'
+    MARKERS.setdefault(HF_GC, "v")
     done = []
     for name, res in results.items():
         if res.rows:

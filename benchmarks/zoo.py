@@ -4,25 +4,38 @@
 
 Per model: how the graph was captured, its node count and opaque modules, the planning time, and
 at `fixed + fraction * activations` (fixed = parameters, their grads, buffers, inputs): the
-measured peak against the budget and the predicted extra compute. Where no plan fits that
+measured peak against the budget, the predicted peak (the plan's `predicted_peak_bytes`) and
+its ratio to the measured one, and the predicted extra compute. Where no plan fits that
 budget, the row says so with the smallest feasible budget, and the model is planned there
 instead. Each row also checks that loss, grads, buffers and the RNG state after the step equal
 the unwrapped model's. tests/test_zoo.py asserts the same per row.
+
+The floor: the smallest feasible budget remat reports (the plan's `min_feasible_bytes`, or the
+InfeasibleBudgetError's) beside the measured peaks of what a user could apply instead, on a
+fresh copy with the same inputs and loss: every block checkpointed (planner.baselines.every_block
+through the same rewriter), and for Hugging Face models their own one-liner,
+`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`
+(per-block checkpointing). Every measured peak is of the second real step (the first warms up).
+tests/test_accuracy.py asserts predicted against measured, and the floor against these baselines.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner import InfeasibleBudgetError, PlanOptions, analyze
+from planner import InfeasibleBudgetError, PlanOptions, RematError, analyze
+from planner.baselines import every_block
+from planner.result import Plan
 from planner.simulate import timeline
 from runtime import plan_and_wrap
 from runtime.measure import peak_memory
+from runtime.rewrite import rewrite
 from runtime.zoo import ZOO
 
 
@@ -43,10 +56,18 @@ class Row:
     max_abs_diff: float   # outputs, loss, grads, buffers vs the unwrapped model
     rng_equal: bool
     why: str = ""         # why `budget` could not be met
+    floor: int | None = None          # smallest feasible budget remat reports
+    every_block: int | None = None    # measured peak with every block checkpointed (None: no blocks)
+    hf_per_block: int | None = None   # measured peak with HF's gradient_checkpointing_enable() (HF only)
 
     @property
     def fits(self) -> bool:
         return self.measured <= self.planned_at
+
+    @property
+    def ratio(self) -> float:
+        """predicted / measured: the accuracy contract is 1 <= ratio <= 1.05."""
+        return self.predicted / self.measured
 
 
 def _bytes(ts) -> int:
@@ -73,9 +94,64 @@ def max_diff(a: list, b: list) -> float:
                default=0.0)
 
 
-def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions(), **overrides) -> Row:
+def measured_step(model, ex) -> int:
+    """Peak live bytes of one real training step of `model` (called like `ex.model`), after a
+    warm-up step; grads are cleared before each."""
+    for p in model.parameters():
+        p.grad = None
+    _step(model, ex)
+    for p in model.parameters():
+        p.grad = None
+    peak = peak_memory(lambda: _step(model, ex), model, ex.inputs, ex.kwargs or {})
+    for p in model.parameters():
+        p.grad = None
+    return peak
+
+
+def hf_per_block_peak(ex) -> int | None:
+    """Measured peak of a copy of a Hugging Face model with its own per-block checkpointing on
+    (`gradient_checkpointing_enable`, non-reentrant); None for other models."""
+    model = copy.deepcopy(ex.model)
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        return None
+    with warnings.catch_warnings():    # transformers 5 calls it a deprecated alias of activation_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return measured_step(model, ex)
+
+
+class _Graph(torch.nn.Module):
+    """A rewritten graph called like the model (positional and keyword inputs)."""
+
+    def __init__(self, model, gm, traced):
+        super().__init__()
+        self.gm, self.traced, self._model = gm, traced, (model,)
+
+    def forward(self, *args, **kwargs):
+        return self.gm(**self.traced.inputs(self._model[0], args, kwargs))
+
+
+def every_block_peak(ex) -> int | None:
+    """Measured peak of a copy with every block checkpointed (planner.baselines.every_block, through
+    the same rewriter as remat's plans); None when the model has no graph or no blocks."""
+    model = copy.deepcopy(ex.model)
+    try:
+        a = analyze(model, ex.inputs, ex.kwargs, ex.loss_fn)
+    except RematError:
+        return None
+    regions = every_block(a.cost_graph)
+    if not regions:
+        return None
+    gm = rewrite(model, a.traced.gm, Plan.of_regions(regions, tuple(c.name for c in a.cost_graph.nodes)))
+    return measured_step(_Graph(model, gm, a.traced), ex)
+
+
+def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions(), baselines: bool = False,
+            **overrides) -> Row:
+    """One row; with `baselines`, also the every-block and Hugging Face per-block peaks."""
     ex = ZOO[name](**overrides)
     ref, model = copy.deepcopy(ex.model), ex.model
+    blocks = (every_block_peak(ex), hf_per_block_peak(ex)) if baselines else (None, None)
     kwargs = ex.kwargs or {}
     probe = plan_and_wrap(copy.deepcopy(model), 1e6, example_inputs=ex.inputs, example_kwargs=kwargs,
                           loss_fn=ex.loss_fn, options=options).plan
@@ -86,8 +162,9 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     try:
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
+        floor = wrapped.plan.min_feasible_bytes
     except InfeasibleBudgetError as e:
-        planned_at = e.min_feasible_bytes
+        planned_at = floor = e.min_feasible_bytes
         wrapped = plan_and_wrap(model, planned_at / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
         why = f"the smallest feasible peak is {planned_at / 1e6:.2f} MB{_where_peak(wrapped.plan, ex)}"
@@ -105,7 +182,7 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     p = wrapped.plan
     return Row(name, p.trace_path, len(p.node_names), [m for m, _ in p.opaque], plan_s, p.unplanned_peak_bytes,
                budget, planned_at, measured, p.predicted_peak_bytes, p.extra_compute_pct, len(p.regions), diff,
-               torch.equal(ref_rng, rng), why)
+               torch.equal(ref_rng, rng), why, floor, *blocks)
 
 
 def _where_peak(plan, ex) -> str:
@@ -119,15 +196,31 @@ def _where_peak(plan, ex) -> str:
     return f", at the {phase} of {c.name}" + (f" ({c.module})" if c.module else "")
 
 
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.2f}"
+
+
+def _floor(r: Row) -> str:
+    """The floor, marked where it is above a baseline's measured peak (the floor contract)."""
+    if r.floor is None:
+        return "-"
+    above = [k for k, v in (("every block", r.every_block), ("HF per-block", r.hf_per_block))
+             if v is not None and r.floor > v]
+    return _mb(r.floor) + (f" (above {' and '.join(above)})" if above else "")
+
+
 def table(rows: list[Row]) -> str:
     head = ("| model | graph | nodes | opaque modules | plan s | unplanned MB | budget MB (50% act.) | measured MB "
-            "| fits | regions | est. extra compute | max abs diff vs original |\n" + "|---" * 12 + "|")
+            "| predicted MB | predicted / measured | fits | regions | est. extra compute | every block measured MB "
+            "| HF per-block measured MB | remat floor MB | max abs diff vs original |\n" + "|---" * 17 + "|")
     lines = [head]
     for r in rows:
         fit = "yes" if r.measured <= r.budget else f"no: {r.why}; planned there, measured fits" if r.fits else "NO"
         lines.append(f"| {r.name} | {r.path} | {r.nodes} | {', '.join(r.opaque) or '-'} | {r.plan_s:.1f} "
-                     f"| {r.unplanned / 1e6:.2f} | {r.budget / 1e6:.2f} | {r.measured / 1e6:.2f} | {fit} | {r.regions} "
-                     f"| {r.extra_pct:.0f}% | {r.max_abs_diff:.0e}{'' if r.rng_equal else ', RNG differs'} |")
+                     f"| {r.unplanned / 1e6:.2f} | {r.budget / 1e6:.2f} | {r.measured / 1e6:.2f} "
+                     f"| {r.predicted / 1e6:.2f} | {r.ratio:.3f} | {fit} | {r.regions} "
+                     f"| {r.extra_pct:.0f}% | {_mb(r.every_block)} | {_mb(r.hf_per_block)} | {_floor(r)} "
+                     f"| {r.max_abs_diff:.0e}{'' if r.rng_equal else ', RNG differs'} |")
     return "\n".join(lines)
 
 
@@ -140,12 +233,14 @@ def main(argv=None) -> None:
     rows = []
     for name in a.models.split(","):
         try:
-            rows.append(run_row(name, a.fraction))
+            rows.append(run_row(name, a.fraction, baselines=True))
         except ImportError as e:
             print(f"{name}: skipped ({e})")
             continue
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = f"torch {torch.__version__}, budget = fixed + {a.fraction:.0%} of activations\n\n" + table(rows)
+    text = (f"torch {torch.__version__}, budget = fixed + {a.fraction:.0%} of activations; predicted = the plan's"
+            " predicted_peak_bytes (contract: measured <= predicted <= 1.05 x measured); remat floor = the smallest"
+            " feasible budget remat reports (contract: at most every baseline's measured peak)\n\n" + table(rows))
     print("\n" + text)
     if a.out:
         with open(a.out, "w") as f:
