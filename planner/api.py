@@ -13,7 +13,7 @@ from .candidates import candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
 from .opaque import real_inputs
-from .profile import DeviceRates, profile
+from .profile import DeviceRates, ValueDependent, profile
 from .result import Plan
 from .rng import rng_preserved
 from .state import mode_key, state_preserved, training_modes
@@ -80,9 +80,18 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced = capture(model, args, kwargs)
         named = traced.inputs(model, args, kwargs)
-        opaque = tuple(m for m, _ in traced.opaque)
-        examples = real_inputs(traced.gm, named, opaque) if opaque else {}
-        cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output, frozenset(deterministic_ops))
+        while True:
+            opaque = tuple(m for m, _ in traced.opaque)
+            examples = real_inputs(traced.gm, named, opaque) if opaque else {}
+            try:
+                cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output,
+                             frozenset(deterministic_ops))
+                break
+            except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
+                if e.module in opaque:
+                    raise
+                traced = replace(traced, opaque=traced.opaque + ((e.module, f"needs tensor values, which fake tensors do not have ({e.why})"),),
+                                 path="fx with opaque leaves" if traced.path == "fx" else traced.path)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples)

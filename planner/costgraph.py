@@ -36,7 +36,7 @@ class StorageCost:
     producer: int             # index of the node that allocated it
     users: tuple[int, ...]    # nodes that read it (through any view) in the forward
     holders: tuple[int, ...]  # nodes whose autograd saved it for backward
-    output: bool = False      # part of the model's output: the caller holds it through backward
+    output: bool = False      # held to the end of the step: a kept output, or alive after it
     mutated_by: tuple[int, ...] = ()  # nodes that write it in place
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -32,6 +33,19 @@ from .storage import LiveBytes
 from .trace import placeholder_values
 
 LOSS = "loss"
+# What fake tensors raise where code needs a value (`float(t)`, `t.nonzero()`, a branch on `t`)
+VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+class ValueDependent(RuntimeError):
+    """A module's forward needs tensor values, which fake tensors do not have (BatchNorm with
+    `momentum=None` reads `float(num_batches_tracked)`): it must be profiled as an opaque
+    module, run for real."""
+
+    def __init__(self, module: str, cause: BaseException):
+        self.module = module
+        self.why = f"{type(cause).__name__}: {str(cause).strip().split(chr(10))[0][:200]}"
+        super().__init__(f"{module}: {self.why}")
 _OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outside the fake run
 
 
@@ -222,7 +236,12 @@ class _Runner(fx.Interpreter):
                 self.mode.users[sid].add(i)
         if n.op == "call_module" and n.target in self.opaque:
             return self.measure(i, lambda: self.run_opaque(n))
-        return self.measure(i, lambda: super(_Runner, self).run_node(n))
+        try:
+            return self.measure(i, lambda: super(_Runner, self).run_node(n))
+        except VALUE_DEPENDENT as e:
+            if n.op == "call_module":
+                raise ValueDependent(n.target, e) from e
+            raise
 
     def run_opaque(self, n: fx.Node):
         """An opaque module: measured for real in isolation, stood in for on fake tensors."""
@@ -336,7 +355,9 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
                 writes_fixed[w] = "writes a parameter or an input in place"
     # buffers the step writes in place: a region's recompute must see them as its forward did
     mutated = {id(fixed_storages[fid]) for fid in mode.fixed_mutated}
-    mutated_buffers = sorted(k for k in buffer_names if id(state[k].untyped_storage()) in mutated)
+    # (an opaque module ran for real, out of sight: each of its buffers may be written)
+    mutated_buffers = sorted(k for k in buffer_names if id(state[k].untyped_storage()) in mutated
+                             or any(k.startswith(m + ".") for m in opaque))
     grad_last = [loss_i] * (len(nodes) + 1)
     for n, i in runner.index.items():
         users = [runner.index.get(u, loss_i) for u in n.users]

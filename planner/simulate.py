@@ -8,7 +8,8 @@ backward when
   (i)   a holder of s (a node whose autograd saved s) lies outside every region, or
   (ii)  s is an input of a region (read inside R, made outside R: checkpoint keeps its inputs), or
   (iii) p_s is a saved node of a region (SAC caches its outputs), or
-  (iv)  s is part of the model's output (the caller holds it).
+  (iv)  the caller holds s (`StorageCost.output`): part of the model's output when the plan
+        keeps the output (PlanOptions.keep_output), or a storage that outlives the step.
 Forward: s is live from p_s until its last reader, or to the end of forward when kept. The peak
 during node t is live_start(t) + fwd_extra_t (measured on fake tensors).
 Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_extra_t, where

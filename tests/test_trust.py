@@ -340,3 +340,17 @@ class _Null:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_module_fake_tensors_cannot_run_is_profiled_for_real():
+    """BatchNorm(momentum=None) reads float(num_batches_tracked): opaque, not an error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32, momentum=None), nn.GELU(),
+                          *[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)], nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    a = analyze(model, (x,), None, None)
+    assert "1" in dict(a.traced.opaque) and "tensor values" in dict(a.traced.opaque)["1"]
+    wrapped, budget = _wrap_at(model, (x,), _mean_square(model), 0.0)
+    _same_training(ref, wrapped, (x,), _mean_square)
+    _fits(wrapped, budget, (x,), _mean_square(wrapped))
