@@ -1,0 +1,803 @@
+"""Differential fuzzer: random small models, planned and wrapped, trained against the unwrapped model.
+
+`make_case(seed)` builds a random model (a DAG of torch.nn layers: Linear, Conv1d/Conv2d,
+BatchNorm, LayerNorm, Dropout, Embedding, attention as F.scaled_dot_product_attention or as
+softmax(QK^T)V, activations; residuals, branch-and-merge, in-place ops, views, buffers updated in
+forward, forward pre-hooks that update buffers, frozen and tied parameters, tuple and dict
+outputs, keyword inputs), its example inputs, a mode (wrapped in train mode, or wrapped in eval
+mode and then .train()-ed), a loss (the default, or a closure over a real target tensor) and a
+budget fraction. Everything is drawn from the seed alone.
+
+`check_case(case)` plans the budget (between the smallest feasible and the unplanned peak),
+wraps a deep copy with `runtime.plan_and_wrap`, and runs two training steps (SGD between them)
+on it and on the unwrapped oracle with the same torch seed: loss, outputs, gradients,
+parameters, buffers and the CPU RNG state must be bitwise equal; planning must not change the
+user's model or the RNG; the measured peak of the first wrapped step must be within the budget
+and the plan's prediction in [measured, 1.05 x measured]. It returns failures as
+"kind: detail" strings (an empty list is a pass).
+
+    python benchmarks/fuzz.py --n 1000 [--start 0] [--out benchmarks/results/DATE-fuzz.md]
+    python benchmarks/fuzz.py --seed 123 -v          # one case: the model and every number
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
+from runtime import plan_and_wrap  # noqa: E402
+from runtime.measure import peak_memory  # noqa: E402
+from runtime.verify import training_loss  # noqa: E402
+
+# Node limits (not time) bound the solver, so a case plans the same on every run and machine;
+# the time limit is only a safety net.
+FAST = PlanOptions(solve=SolveOptions(time_limit_s=5.0, max_nodes=100, rel_gap=0.05, improve_evals=1000))
+ACTS = ("gelu", "relu", "silu", "tanh")
+
+
+def _act(name: str, x):
+    return {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}[name](x)
+
+
+def _act_module(name: str) -> nn.Module:
+    return {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}[name]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks. Each maps the hidden state to one of the same shape:
+#   seq (B, T, D), img (B, C, H, W), flat (B, D).
+# ---------------------------------------------------------------------------------------------
+
+class Mlp(nn.Module):
+    def __init__(self, r, fam, d):
+        super().__init__()
+        h = d * r.choice((1, 2, 4))
+        conv = fam == "img"
+        self.up = nn.Conv2d(d, h, 1) if conv else nn.Linear(d, h)
+        self.down = nn.Conv2d(h, d, 1) if conv else nn.Linear(h, d)
+        self.act = r.choice(ACTS)
+        self.act_as_module = r.random() < 0.5
+        if self.act_as_module:
+            self.act_mod = _act_module(self.act)
+        self.p = r.choice((0.0, 0.1, 0.3))
+        self.functional_dropout = r.random() < 0.5      # F.dropout(..., self.training) vs nn.Dropout
+        if self.p and not self.functional_dropout:
+            self.drop = nn.Dropout(self.p)
+        self.residual = r.random() < 0.6
+
+    def forward(self, x):
+        h = self.up(x)
+        h = self.act_mod(h) if self.act_as_module else _act(self.act, h)
+        if self.p:
+            h = F.dropout(h, self.p, self.training) if self.functional_dropout else self.drop(h)
+        h = self.down(h)
+        return x + h if self.residual else h
+
+
+class Norm(nn.Module):
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam = fam
+        self.kind = "bn" if fam == "img" else r.choice(("ln", "bn"))
+        if self.kind == "ln":
+            self.norm = nn.LayerNorm(d, elementwise_affine=r.random() < 0.8)
+        else:
+            self.norm = (nn.BatchNorm2d if fam == "img" else nn.BatchNorm1d)(d, momentum=0.1 if r.random() < 0.9 else None)
+
+    def forward(self, x):
+        if self.kind == "bn" and self.fam == "seq":
+            return self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return self.norm(x)
+
+
+class Conv(nn.Module):
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam = fam
+        k = r.choice((1, 3))
+        self.conv = (nn.Conv2d if fam == "img" else nn.Conv1d)(d, d, k, padding=k // 2, bias=r.random() < 0.7)
+        self.act = r.choice(ACTS)
+        self.residual = r.random() < 0.5
+
+    def forward(self, x):
+        if self.fam == "seq":
+            h = self.conv(x.transpose(1, 2).contiguous()).transpose(1, 2)
+        else:
+            h = self.conv(x)
+        h = _act(self.act, h)
+        return x + h if self.residual else h
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.heads = r.choice([h for h in (1, 2, 4) if d % h == 0])
+        self.qkv = nn.Linear(d, 3 * d, bias=r.random() < 0.7)
+        self.proj = nn.Linear(d, d)
+        self.p = r.choice((0.0, 0.0, 0.1, 0.3))
+        self.causal = r.random() < 0.4
+        self.gate_p_by_training = r.random() < 0.7      # dropout_p=self.p if self.training else 0.0
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        p = (self.p if self.training else 0.0) if self.gate_p_by_training else self.p
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        return x + self.proj(h.transpose(1, 2).reshape(b, t, d))
+
+
+class ManualAttention(nn.Module):
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.heads = r.choice([h for h in (1, 2, 4) if d % h == 0])
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+        self.drop = nn.Dropout(r.choice((0.1, 0.2))) if r.random() < 0.6 else None
+        self.causal = r.random() < 0.4
+
+    def forward(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        q = self.q(x).view(b, t, self.heads, hd).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, hd).transpose(1, 2)
+        v = self.v(x).view(b, t, self.heads, hd).transpose(1, 2)
+        s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(hd))
+        if self.causal:
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        a = s.softmax(dim=-1)
+        if self.drop is not None:
+            a = self.drop(a)
+        return x + self.o((a @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Branch(nn.Module):
+    """Split into two branches, merge by concat (+ projection) or add."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        conv = fam == "img"
+        mk = (lambda i, o: nn.Conv2d(i, o, 3, padding=1)) if conv else (lambda i, o: nn.Linear(i, o))
+        self.a1, self.b1 = mk(d, d), mk(d, d)
+        self.b2 = mk(d, d) if r.random() < 0.5 else None
+        self.acts = (r.choice(ACTS), r.choice(ACTS))
+        self.cat = r.random() < 0.5
+        self.dim = 1 if conv else -1
+        if self.cat:
+            self.merge = nn.Conv2d(2 * d, d, 1) if conv else nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        a = _act(self.acts[0], self.a1(x))
+        b = _act(self.acts[1], self.b1(x))
+        if self.b2 is not None:
+            b = self.b2(b)
+        return self.merge(torch.cat([a, b], dim=self.dim)) if self.cat else a + b
+
+
+class InPlace(nn.Module):
+    """In-place ops on a fresh intermediate: relu_, add_, mul_."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.lin = nn.Conv2d(d, d, 1) if fam == "img" else nn.Linear(d, d)
+        # ops that do not save their output first; at most one that does (relu_, sigmoid_), last:
+        # anything in place after it would break its backward in eager PyTorch too
+        self.ops = r.sample(("add_", "mul_"), r.randint(0, 2)) + r.sample(("relu_", "sigmoid_"), r.randint(0, 1))
+        if not self.ops:
+            self.ops = [r.choice(("relu_", "add_", "mul_", "sigmoid_"))]
+        self.residual = r.random() < 0.5
+
+    def forward(self, x):
+        h = self.lin(x)
+        for op in self.ops:
+            if op == "relu_":
+                h.relu_()
+            elif op == "add_":
+                h.add_(0.5)
+            elif op == "mul_":
+                h.mul_(0.75)
+            else:
+                h.sigmoid_()
+        if self.residual:
+            h = h + x
+        return h
+
+
+class Views(nn.Module):
+    """Views, reshapes and transposes that end in the same shape (a permutation of features)."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam = fam
+        self.lin = nn.Conv2d(d, d, 1) if fam == "img" else nn.Linear(d, d)
+        self.variant = r.randint(0, 1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.fam == "seq":
+            b, t, d = h.shape
+            h = h.view(b, t, 2, d // 2).transpose(2, 3).reshape(b, t, d) if self.variant else \
+                h.transpose(0, 1).contiguous().transpose(0, 1)
+        elif self.fam == "img":
+            b, c, hh, ww = h.shape
+            h = h.flatten(2).transpose(1, 2).reshape(b, hh, ww, c).permute(0, 3, 1, 2) if self.variant else \
+                h.view(b, 2, c // 2, hh, ww).transpose(1, 2).reshape(b, c, hh, ww)
+        else:
+            b, d = h.shape
+            h = h.view(b, 2, d // 2).transpose(1, 2).reshape(b, d) if self.variant else h.unsqueeze(1).squeeze(1)
+        return x + h
+
+
+class Ema(nn.Module):
+    """A buffer read and updated in forward: an EMA of the batch mean and a call counter."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam = fam
+        shape = (d, 1, 1) if fam == "img" else (d,)
+        self.register_buffer("ema", torch.zeros(shape))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.only_in_training = r.random() < 0.5          # `if self.training:` around the update
+        self.read_before_update = r.random() < 0.5
+        self.lin = nn.Conv2d(d, d, 1) if fam == "img" else nn.Linear(d, d)
+
+    def _update(self, x):
+        dims = (0, 2, 3) if self.fam == "img" else tuple(range(x.dim() - 1))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(x.detach().mean(dim=dims).reshape(self.ema.shape), alpha=0.1)
+            self.count.add_(1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.read_before_update:
+            out = h - self.ema
+        if self.only_in_training:
+            if self.training:
+                self._update(h)
+        else:
+            self._update(h)
+        if not self.read_before_update:
+            out = h - self.ema
+        return out
+
+
+def _count_calls(mod, args):
+    with torch.no_grad():
+        mod.calls.add_(1)
+
+
+class Hooked(nn.Module):
+    """Forward pre-hooks that update buffers: spectral_norm's power iteration, a call counter."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.variant = r.choice(("spectral_norm", "counter"))
+        lin = nn.Conv2d(d, d, 1) if fam == "img" else nn.Linear(d, d)
+        if self.variant == "spectral_norm":
+            lin = nn.utils.spectral_norm(lin)
+        else:
+            lin.register_buffer("calls", torch.zeros(()))
+            lin.register_forward_pre_hook(_count_calls)
+        self.lin = lin
+        self.act = r.choice(ACTS)
+
+    def forward(self, x):
+        return x + _act(self.act, self.lin(x))
+
+
+class Tied(nn.Module):
+    """Two layers sharing one weight Parameter."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d, bias=r.random() < 0.5)
+        self.b.weight = self.a.weight
+        self.act = r.choice(ACTS)
+
+    def forward(self, x):
+        return x + self.b(_act(self.act, self.a(x)))
+
+
+class ShapeBranch(nn.Module):
+    """Control flow on a shape: fx cannot follow it (this module becomes opaque), torch.export can."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.lin = nn.Conv2d(d, d, 1) if fam == "img" else nn.Linear(d, d)
+        self.act = r.choice(ACTS)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.shape[0] % 2 == 0:
+            h = _act(self.act, h)
+        else:
+            h = -h
+        return x + h
+
+
+BLOCKS = {"mlp": Mlp, "norm": Norm, "conv": Conv, "sdpa": SdpaAttention, "attn": ManualAttention,
+          "branch": Branch, "inplace": InPlace, "views": Views, "ema": Ema, "hooked": Hooked,
+          "tied": Tied, "shape_branch": ShapeBranch}
+FAMILY_BLOCKS = {
+    "seq": ("mlp", "norm", "conv", "sdpa", "attn", "branch", "inplace", "views", "ema", "hooked", "tied",
+            "shape_branch"),
+    "img": ("mlp", "norm", "conv", "branch", "inplace", "views", "ema", "hooked", "shape_branch"),
+    "flat": ("mlp", "norm", "branch", "inplace", "views", "ema", "hooked", "tied", "shape_branch"),
+}
+# features that are rarer (each a known source of trouble, sampled at most a couple of times)
+RARE = {"ema", "hooked", "shape_branch", "tied"}
+
+
+class FuzzNet(nn.Module):
+    def __init__(self, r: random.Random, fam: str, d: int, din: int, vocab: int | None, n_out: int,
+                 blocks: list[str], output: str, use_mask: bool, use_temperature: bool, mask_at: int,
+                 tie_head: bool):
+        super().__init__()
+        self.fam, self.output = fam, output
+        self.use_mask, self.use_temperature, self.mask_at = use_mask, use_temperature, mask_at
+        if vocab is not None:
+            self.stem = nn.Embedding(vocab, d)
+        elif fam == "img":
+            self.stem = nn.Conv2d(din, d, 3, padding=1)
+        else:
+            self.stem = nn.Linear(din, d)
+        self.blocks = nn.ModuleList(BLOCKS[k](r, fam, d) for k in blocks)
+        self.final_norm = nn.LayerNorm(d) if fam != "img" and r.random() < 0.6 else None
+        self.head = nn.Linear(d, n_out, bias=not tie_head)
+        if tie_head:
+            self.head.weight = self.stem.weight     # GPT-style: head tied to the embedding
+
+    def forward(self, x, *, mask=None, temperature=1.0):
+        h = self.stem(x)
+        for i, blk in enumerate(self.blocks):
+            if self.use_mask and i == self.mask_at and mask is not None:
+                h = h * mask
+            h = blk(h)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        pooled = h.mean(dim=(2, 3)) if self.fam == "img" else h
+        out = self.head(pooled)
+        if self.use_temperature:
+            out = out / temperature
+        if self.output == "tuple":
+            return out, h
+        if self.output == "dict":
+            return {"out": out, "hidden": h}
+        return out
+
+
+@dataclass
+class Case:
+    seed: int
+    model: nn.Module                  # a fresh model, in the mode it is wrapped in
+    args: tuple
+    kwargs: dict
+    target: torch.Tensor | None       # what loss_fn closes over (None: the default loss)
+    loss_fn: Callable | None
+    mode: str                         # "train" or "eval->train" (wrapped in eval, then .train()-ed)
+    u: float                          # budget = min_feasible + u * (unplanned - min_feasible)
+    features: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return " ".join(self.features)
+
+
+def _main(out):
+    if isinstance(out, dict):
+        return out["out"], out["hidden"]
+    if isinstance(out, tuple):
+        return out
+    return out, None
+
+
+def _loss_mse(y, aux):
+    def loss_fn(out):
+        main, hidden = _main(out)
+        loss = F.mse_loss(main, y)
+        if aux and hidden is not None:
+            loss = loss + 0.01 * hidden.pow(2).mean()
+        return loss
+    return loss_fn
+
+
+def _loss_ce(y, aux):
+    def loss_fn(out):
+        main, hidden = _main(out)
+        loss = F.cross_entropy(main.reshape(-1, main.shape[-1]), y.reshape(-1))
+        if aux and hidden is not None:
+            loss = loss + 0.01 * hidden.pow(2).mean()
+        return loss
+    return loss_fn
+
+
+def make_case(seed: int) -> Case:
+    """A random small model, inputs, mode, loss and budget fraction: a function of `seed` alone."""
+    r = random.Random(seed)
+    fam = r.choice(("seq", "seq", "img", "flat"))
+    d = r.choice((8, 16, 32, 64)) if fam != "img" else r.choice((4, 8, 16))
+    b = r.randint(2, 16) if fam != "flat" else r.randint(16, 64)   # flat: activations comparable to weights
+    n_blocks = r.randint(3, 8)
+    pool = FAMILY_BLOCKS[fam]
+    blocks, rare_used = [], collections.Counter()
+    while len(blocks) < n_blocks:
+        k = r.choice(pool)
+        if k in RARE and (rare_used[k] >= 2 or r.random() < 0.5):
+            continue
+        rare_used[k] += k in RARE
+        blocks.append(k)
+    tokens = fam == "seq" and r.random() < 0.4
+    vocab = r.choice((16, 32, 64)) if tokens else None
+    din = r.choice((3, 4, 8)) if fam == "img" else r.choice((4, 8, 16, 32))
+    n_out = vocab if tokens and r.random() < 0.7 else r.choice((2, 4, 8, 16))
+    tie_head = tokens and n_out == vocab and r.random() < 0.5
+    output = r.choice(("tensor", "tensor", "tuple", "dict"))
+    use_mask = r.random() < 0.3
+    use_temperature = r.random() < 0.15
+    mode = r.choice(("train", "train", "eval->train"))
+    frozen_p = r.choice((0.0, 0.0, 0.2))
+    input_grad = not tokens and r.random() < 0.15
+    loss_kind = r.choice(("default", "closure", "closure"))
+    aux = r.random() < 0.5
+    u = r.random()
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = FuzzNet(r, fam, d, din, vocab, n_out, blocks, output, use_mask, use_temperature,
+                        r.randrange(n_blocks), tie_head)
+    frozen = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm)) and name != "head" and \
+                r.random() < frozen_p:
+            for p in m.parameters(recurse=False):
+                p.requires_grad_(False)
+            frozen.append(name)
+
+    t = r.randint(4, 16)
+    hw = r.randint(4, 8)
+    if tokens:
+        x = torch.randint(0, vocab, (b, t), generator=gen)
+    elif fam == "seq":
+        x = torch.randn(b, t, din, generator=gen)
+    elif fam == "img":
+        x = torch.randn(b, din, hw, hw, generator=gen)
+    else:
+        x = torch.randn(b, din, generator=gen)
+    if input_grad:
+        x.requires_grad_(True)
+    kwargs = {}
+    if use_mask:
+        mshape = {"seq": (b, t, 1), "img": (b, 1, hw, hw), "flat": (b, 1)}[fam]
+        kwargs["mask"] = (torch.rand(mshape, generator=gen) > 0.2).float()
+    if use_temperature:
+        kwargs["temperature"] = r.choice((0.5, 2.0))
+
+    out_shape = {"seq": (b, t, n_out), "img": (b, n_out), "flat": (b, n_out)}[fam]
+    target = loss_fn = None
+    if loss_kind == "closure":
+        if n_out == vocab and tokens and r.random() < 0.7:
+            target = torch.randint(0, n_out, out_shape[:-1], generator=gen)
+            loss_fn = _loss_ce(target, aux)
+        else:
+            target = torch.randn(out_shape, generator=gen)
+            loss_fn = _loss_mse(target, aux)
+    if mode == "eval->train":
+        model.eval()
+
+    features = [f"fam={fam}", f"d={d}", f"b={b}", f"blocks={','.join(blocks)}", f"out={output}",
+                f"mode={mode}", f"loss={loss_kind}{'+aux' if aux and loss_kind == 'closure' else ''}", f"u={u:.2f}"]
+    if tokens:
+        features.append(f"tokens(vocab={vocab})")
+    if tie_head:
+        features.append("tied-head")
+    if use_mask:
+        features.append("kw:mask")
+    if use_temperature:
+        features.append("kw:temperature")
+    if frozen:
+        features.append(f"frozen={','.join(frozen)}")
+    if input_grad:
+        features.append("input-grad")
+    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checker
+# ---------------------------------------------------------------------------------------------
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal values (NaN equal to NaN), same shape and dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    d = (a.double() - b.double()).abs()
+    d = d[~d.isnan()]
+    return f"max|diff|={d.max().item() if d.numel() else float('nan'):.3g}"
+
+
+def _clone_inputs(x):
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad)
+                    if isinstance(t, torch.Tensor) else t, x)
+
+
+def _input_tensors(case: Case, args, kwargs) -> list[torch.Tensor]:
+    ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return ts + ([case.target] if case.target is not None else [])
+
+
+def _state(model: nn.Module) -> dict:
+    s = {f"param {n}": p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    s.update({f"buffer {n}": b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)})
+    s.update({f"requires_grad {n}": torch.tensor(p.requires_grad) for n, p in model.named_parameters()})
+    s.update({f"grad-is-none {n}": torch.tensor(p.grad is None) for n, p in model.named_parameters()})
+    return s
+
+
+def budgets(case: Case) -> tuple[int, int, int]:
+    """(unplanned, smallest feasible, budget) in bytes, from the simulator, on a copy in wrap-time mode."""
+    a = analyze(copy.deepcopy(case.model), case.args, case.kwargs, case.loss_fn)
+    cg = a.cost_graph
+    unplanned = solve_plan(cg, 10**15, FAST).predicted_peak_bytes
+    # the smallest feasible peak as solve_plan reports it when asked for too little (the least
+    # simulated peak of its known plans, the least-peak ILP's among them): one ILP fewer than
+    # solving at unplanned - 1 (tests/conftest.py), which reports the same or up to one plan less
+    try:
+        p = solve_plan(cg, 1, FAST)
+        min_feasible = p.predicted_peak_bytes
+    except InfeasibleBudgetError as e:
+        min_feasible = e.min_feasible_bytes
+    min_feasible = min(min_feasible, unplanned)
+    return unplanned, min_feasible, int(min_feasible + case.u * (unplanned - min_feasible))
+
+
+def check_case(case: Case, verbose: bool = False, info: dict | None = None) -> list[str]:
+    """Failures of `case` as 'kind: detail' strings; [] when everything matches. `info` collects numbers."""
+    info = {} if info is None else info
+    try:
+        return _check(case, verbose, info)
+    except Exception as e:  # any exception is a failure, recorded with the tail of its traceback
+        tail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:]).strip().replace("\n", " | ")
+        return [f"exception/{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                f" [{info.get('stage', '?')}] :: {tail[-600:]}"]
+
+
+def _check(case: Case, verbose: bool, info: dict) -> list[str]:
+    fails: list[str] = []
+    log = print if verbose else (lambda *a, **k: None)
+    oracle = copy.deepcopy(case.model)              # taken before anything touches the model
+    model = copy.deepcopy(case.model)               # the user's model, to be wrapped
+    info["stage"] = "budget"
+    t0 = time.perf_counter()
+    unplanned, min_feasible, budget = budgets(case)
+    info["t_budget"] = time.perf_counter() - t0
+    info.update(unplanned=unplanned, min_feasible=min_feasible, budget=budget)
+    log(f"unplanned {unplanned} B, smallest feasible {min_feasible} B, budget {budget} B (u={case.u:.3f})")
+
+    info["stage"] = "plan_and_wrap"
+    before = _state(model)
+    rng_before = torch.get_rng_state()
+    try:
+        wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=case.args, example_kwargs=case.kwargs,
+                                loss_fn=case.loss_fn, options=FAST)
+    except InfeasibleBudgetError as e:
+        info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
+        return [f"infeasible: plan_and_wrap raised at budget {budget} B >= smallest feasible {min_feasible} B "
+                f"(it says {e.min_feasible_bytes} B)"]
+    if not torch.equal(rng_before, torch.get_rng_state()):
+        fails.append("planning/rng: plan_and_wrap advanced the global torch RNG")
+    after = _state(model)
+    changed = [k for k in before if not _same(before[k], after[k])]
+    if changed:
+        fails.append(f"planning/changed-model: plan_and_wrap changed {', '.join(changed[:4])}"
+                     f"{' ...' if len(changed) > 4 else ''}")
+    info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
+    plan = wrapped.plan
+    info.update(predicted=plan.predicted_peak_bytes, regions=len(plan.regions),
+                path=plan.meta.get("trace_path"), solver=plan.solver)
+    log(plan.summary() if hasattr(plan, "summary") else plan)
+    if plan.predicted_peak_bytes > budget:
+        fails.append(f"memory/predicted-over-budget: predicted {plan.predicted_peak_bytes} B > budget {budget} B")
+
+    if case.mode == "eval->train":
+        wrapped.train()
+    oracle.train()
+    opt_ref = torch.optim.SGD([p for p in oracle.parameters() if p.requires_grad], lr=0.05)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    ref_names = dict(oracle.named_parameters())
+
+    for step in (1, 2):
+        info["stage"] = f"step {step}"
+        opt_ref.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        args_ref, kwargs_ref = _clone_inputs((case.args, case.kwargs))
+        args_w, kwargs_w = _clone_inputs((case.args, case.kwargs)) if step == 2 else (case.args, case.kwargs)
+        for x in tree_flatten((case.args, case.kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                x.grad = None
+        seed = 1000 + 17 * case.seed + step
+        res_ref, res = {}, {}
+
+        def run(m, a, kw, into):
+            torch.manual_seed(seed)
+            out = m(*a, **kw)
+            loss = training_loss(out, case.loss_fn)
+            loss.backward()
+            into["out"], into["loss"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), \
+                loss.detach()
+
+        m_ref = peak_memory(lambda: run(oracle, args_ref, kwargs_ref, res_ref), oracle,
+                            *_input_tensors(case, args_ref, kwargs_ref))
+        rng_ref = torch.get_rng_state()
+        measured = peak_memory(lambda: run(wrapped, args_w, kwargs_w, res), model,
+                               *_input_tensors(case, args_w, kwargs_w))
+        rng = torch.get_rng_state()
+        if step == 1:
+            info.update(measured=measured, measured_unplanned=m_ref)
+            log(f"step 1: measured {measured} B (unwrapped model: {m_ref} B), predicted "
+                f"{plan.predicted_peak_bytes} B, budget {budget} B")
+            if measured > budget:
+                fails.append(f"memory/over-budget: measured {measured} B > budget {budget} B "
+                             f"(predicted {plan.predicted_peak_bytes} B, {len(plan.regions)} regions)")
+            if plan.predicted_peak_bytes < measured:
+                fails.append(f"memory/under-predicted: predicted {plan.predicted_peak_bytes} B < measured {measured} B")
+            elif plan.predicted_peak_bytes > 1.05 * measured:
+                fails.append(f"memory/over-predicted: predicted {plan.predicted_peak_bytes} B > 1.05 x measured "
+                             f"{measured} B ({plan.predicted_peak_bytes / measured:.3f}x)")
+        if not _same(res["loss"], res_ref["loss"]):
+            fails.append(f"mismatch/loss: step {step}: {res['loss'].item()} vs {res_ref['loss'].item()}")
+        outs, outs_ref = tree_flatten(res["out"])[0], tree_flatten(res_ref["out"])[0]
+        bad = [i for i, (a, b) in enumerate(zip(outs, outs_ref)) if not _same(a, b)]
+        if bad or len(outs) != len(outs_ref):
+            fails.append(f"mismatch/output: step {step}: leaf {bad[:1]} {_diff(outs[bad[0]], outs_ref[bad[0]]) if bad else 'count'}")
+        bad = []
+        for n, p in model.named_parameters():
+            g, g_ref = p.grad, ref_names[n].grad
+            if (g is None) != (g_ref is None) or (g is not None and not _same(g, g_ref)):
+                bad.append((n, "None vs set" if (g is None) != (g_ref is None) else _diff(g, g_ref)))
+        if bad:
+            fails.append(f"mismatch/grad: step {step}: {len(bad)} grads differ, e.g. {bad[0][0]} {bad[0][1]}")
+        for a, b in zip(tree_flatten(args_w)[0], tree_flatten(args_ref)[0]):
+            if isinstance(a, torch.Tensor) and a.requires_grad and not (
+                    (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None
+                                                            and _same(a.grad, b.grad))):
+                fails.append(f"mismatch/input-grad: step {step}")
+        ref_bufs = dict(oracle.named_buffers())
+        bad = [(n, _diff(bf, ref_bufs[n])) for n, bf in model.named_buffers() if not _same(bf, ref_bufs[n])]
+        if bad:
+            fails.append(f"mismatch/buffer: step {step}: {', '.join(f'{n} {d}' for n, d in bad[:3])}")
+        if not torch.equal(rng, rng_ref):
+            fails.append(f"mismatch/rng: step {step}: CPU RNG state after the step differs")
+        opt_ref.step()
+        opt.step()
+        bad = [n for n, p in model.named_parameters() if not _same(p.detach(), ref_names[n].detach())]
+        if bad:
+            fails.append(f"mismatch/param: after step {step}: {', '.join(bad[:3])}")
+        if fails and any(f.startswith("mismatch") for f in fails):
+            break                                 # step 2 after a mismatch only repeats it
+    info["stage"] = "done"
+    info["t_steps"] = time.perf_counter() - t0 - info["t_budget"] - info["t_plan"]
+    return fails
+
+
+def kind_of(failure: str) -> str:
+    return failure.split(": ", 1)[0]
+
+
+def run_seed(seed: int, verbose: bool = False) -> tuple[Case | None, list[str], dict, float]:
+    t0 = time.perf_counter()
+    info: dict = {}
+    try:
+        case = make_case(seed)
+    except Exception as e:
+        return None, [f"exception/make_case-{type(e).__name__}: {e}"], info, time.perf_counter() - t0
+    if verbose:
+        print(f"seed {seed}: {case.summary()}")
+        print(case.model)
+        print("inputs:", [(tuple(t.shape), t.dtype) for t in tree_flatten((case.args, case.kwargs))[0]
+                          if isinstance(t, torch.Tensor)], "kwargs:", list(case.kwargs))
+    fails = check_case(case, verbose, info)
+    return case, fails, info, time.perf_counter() - t0
+
+
+def _commit() -> str:
+    """The git commit the planner and runtime were imported from, '+ changes' if the tree differs."""
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "planner", "runtime"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return head + (" + uncommitted changes in planner/ or runtime/" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=100, help="number of seeds")
+    ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--seed", type=int, help="run this one seed (with -v: print the model and numbers)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--out", help="write a results markdown file here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)              # deterministic kernels, and fair on a shared machine
+    import warnings
+    warnings.filterwarnings("ignore")
+    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.n))
+    t_start = time.perf_counter()
+    failed: dict[int, tuple[str, list[str]]] = {}
+    by_kind: collections.Counter = collections.Counter()
+    seeds_by_kind: dict[str, list[int]] = collections.defaultdict(list)
+    times, done, with_regions = [], 0, 0
+    try:
+        for seed in seeds:
+            case, fails, info, dt = run_seed(seed, args.verbose)
+            times.append(dt)
+            done += 1
+            with_regions += bool(info.get("regions"))
+            summary = case.summary() if case else "?"
+            if fails:
+                failed[seed] = (summary, fails)
+                for k in sorted({kind_of(f) for f in fails}):
+                    by_kind[k] += 1
+                    seeds_by_kind[k].append(seed)
+                for f in fails:
+                    print(f"FAIL seed {seed} [{summary}] {f}", flush=True)
+            elif args.verbose or args.seed is not None:
+                print(f"pass seed {seed} [{summary}] {dt:.1f}s", flush=True)
+            if args.verbose:
+                print("info:", info)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    total = time.perf_counter() - t_start
+    tally = (f"cases {done} ({with_regions} planned with checkpoint regions), passed {done - len(failed)}, "
+             f"failed {len(failed)}; "
+             f"{total:.0f} s, {total / max(done, 1):.2f} s per case (median {sorted(times)[len(times) // 2] if times else 0:.2f} s)")
+    print(tally)
+    for k, n in by_kind.most_common():
+        print(f"  {k}: {n} cases (smallest seed {min(seeds_by_kind[k])})")
+    if args.out:
+        cmd = "python benchmarks/fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        lines = ["# Differential fuzz run", "", f"`{cmd}` (torch {torch.__version__}, "
+                 f"{time.strftime('%Y-%m-%d %H:%M')}, 1 thread, code at {_commit()})", "", tally, "",
+                 "| failure kind | cases | seeds |", "|---|---|---|"]
+        for k, n in by_kind.most_common():
+            s = seeds_by_kind[k]
+            lines.append(f"| {k} | {n} | {', '.join(map(str, s[:40]))}{' ...' if len(s) > 40 else ''} |")
+        lines += ["", "## Failing seeds", ""]
+        for seed, (summary, fails) in failed.items():
+            lines.append(f"- **{seed}** `{summary}`")
+            for f in fails:
+                lines.append(f"  - {f[:500]}")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
