@@ -27,7 +27,11 @@ GB = 10**9
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     solve: SolveOptions = field(default_factory=SolveOptions)  # ILP limits and candidate shape
-    safety_margin: float = 0.01     # predicted peak = simulated peak * (1 + margin)
+    safety_margin: float = 0.01     # a simulated prediction = simulated peak * (1 + margin)
+    # a replayed prediction (exact replay, measured steps) = replayed peak * (1 + replay_margin);
+    # None: 0 on CPU, where the replay meters what a real step's meter does, 1% on accelerators
+    # (allocator rounding, library workspaces)
+    replay_margin: float | None = None
     find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
     rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
     # The step is `loss_fn(model(x)).backward()`: the output is released once the loss is computed
@@ -107,8 +111,8 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with the smallest
     feasible budget) when no plan fits.
     """
-    margin = 1.0 + options.safety_margin
-    predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * margin)  # noqa: E731
+    predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * (1.0 + options.safety_margin))  # noqa: E731
+    margin = 1.0 + replay_margin(options, cg)
     unplanned = predict(())
     base = dict(budget_bytes=int(budget_bytes), unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
                 node_names=tuple(c.name for c in cg.nodes),
@@ -139,7 +143,15 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                             solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
     replay = getattr(measure, "what", "the exact replay on fake tensors") if measure else "simulated only (no exact replay)"
-    return replace(plan, notes=plan.notes + (f"predicted peak: {replay}, plus {options.safety_margin:.0%}",))
+    added = margin - 1.0 if measure else options.safety_margin
+    return replace(plan, notes=plan.notes + (f"predicted peak: {replay}" + (f", plus {added:.0%}" if added else ""),))
+
+
+def replay_margin(options: PlanOptions, cg: CostGraph) -> float:
+    """The margin added to replayed peaks (PlanOptions.replay_margin; by the graph's device)."""
+    if options.replay_margin is not None:
+        return options.replay_margin
+    return 0.0 if cg.meta.get("device", "cpu") in ("cpu", "meta") else 0.01
 
 
 def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margin):

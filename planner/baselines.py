@@ -6,36 +6,43 @@ covers the most nodes (`h.0`, `h.1`, ... in a GPT-2; `layer1.0`, ... in a ResNet
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 from .costgraph import CostGraph
 from .result import Region
 
 
-def block_of(module: str, prefix: str) -> str | None:
-    if not module.startswith(prefix + "."):
-        return None
-    head = module[len(prefix) + 1:].split(".")[0]
-    return f"{prefix}.{head}" if head.isdigit() else None
+def _digit_prefixes(module: str) -> list[tuple[str, str]]:
+    """(list prefix, index) for each numbered component of a module path, outermost first:
+    "encoder.block.0.layer.1" -> [("encoder.block", "0"), ("encoder.block.0.layer", "1")]."""
+    parts = module.split(".") if module else []
+    return [(".".join(parts[:k]), p) for k, p in enumerate(parts) if p.isdigit()]
 
 
 def blocks(cg: CostGraph) -> list[tuple[int, int]]:
-    """(first, last) node of each repeated block, in order; [] when the model has none."""
-    counts: Counter = Counter()
+    """(first, last) node of each repeated block, in order; [] when the model has none.
+
+    A block is an element of a module list or sequential with at least two elements, the
+    outermost such list on each node's module path: every list of blocks the model has
+    (an encoder's and a decoder's, as Hugging Face's per-block checkpointing takes them), not
+    the lists nested inside a block (a block's experts). Blocks whose nodes interleave with an
+    earlier block's are left out."""
+    nodes: dict[str, dict[str, int]] = {}      # list prefix -> element index -> nodes in it
     for c in cg.nodes:
-        parts = c.module.split(".") if c.module else []
-        for k in range(len(parts)):
-            if parts[k].isdigit():
-                counts[".".join(parts[:k])] += 1
-    if not counts:
-        return []
-    prefix = max(counts, key=lambda p: (counts[p], -len(p)))
+        for prefix, index in _digit_prefixes(c.module):
+            counts = nodes.setdefault(prefix, {})
+            counts[index] = counts.get(index, 0) + 1
+    # a list of blocks: two elements or more, one of them more than a single layer
+    lists = {p for p, counts in nodes.items() if len(counts) >= 2 and max(counts.values()) >= 2}
     spans: dict[str, list[int]] = {}
     for i, c in enumerate(cg.nodes):
-        b = block_of(c.module, prefix)
-        if b is not None:
-            spans.setdefault(b, [i, i])[1] = i
-    return sorted((a, b) for a, b in spans.values())
+        outer = next(((p, k) for p, k in _digit_prefixes(c.module) if p in lists), None)
+        if outer is not None:
+            spans.setdefault(f"{outer[0]}.{outer[1]}", [i, i])[1] = i
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans.values()):
+        if not out or a > out[-1][1]:
+            out.append((a, b))
+    return out
 
 
 def _recomputable(cg: CostGraph, spans) -> tuple[Region, ...]:

@@ -309,7 +309,8 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     `deterministic_ops` ("namespace::name").
     """
 
-    rates = rates or DeviceRates.for_device(next(iter(gm.parameters()), torch.empty(0)).device)
+    device = next(iter(gm.parameters()), torch.empty(0)).device
+    rates = rates or DeviceRates.for_device(device)
     nodes = compute_nodes(gm)
     real_state = graph_state(gm)
     opaque_state = {m: {k[len(m) + 1:]: v for k, v in real_state.items() if k.startswith(m + ".")} for m in opaque}
@@ -391,7 +392,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         param_bytes=sum(st.nbytes() for st in {id(p.untyped_storage()): p.untyped_storage() for p in grad_params.values()}.values()),
         meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in",
               "mutated_buffers": mutated_buffers, "keep_output": keep_output,
-              "deterministic_ops": sorted(deterministic_ops)},
+              "deterministic_ops": sorted(deterministic_ops), "device": device.type},
     )
     # Calibrate: whatever the measured backward peak of a node holds beyond the model's account.
     # The meter counted the tensors the step read but did not make (`late`) only from their first read.

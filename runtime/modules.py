@@ -72,9 +72,10 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, 
     t0 = time.perf_counter()
     prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]
-    margin = 1.0 + options.safety_margin
+    device = next(model.parameters()).device.type
+    margin = 1.0 + (options.replay_margin if options.replay_margin is not None else 0.0 if device == "cpu" else 0.01)
     measure = lambda chosen: math.ceil(measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen]) * margin)  # noqa: E731
-    unplanned = math.ceil(prof.peak_bytes * margin)
+    unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
                 forward_s=prof.forward_s, node_names=tuple(names),
                 meta={"trace_path": PATH, "trace_attempts": [["fx and torch.export", why]]},

@@ -16,7 +16,7 @@ from runtime import plan_and_wrap
 from runtime.measure import peak_memory, preserved
 from runtime.zoo import ZOO
 
-from conftest import FAST, max_diff, step as _step
+from conftest import FAST, max_diff, planned_step, step as _step
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 PATHS = {"transformer": "torch.export", "lstm-lm": "fx with opaque leaves", "unet": "fx",
@@ -46,7 +46,7 @@ def test_architecture_plans_fits_and_trains_identically(zoo_case, name):
                    max_diff([b.float() for b in ref.buffers()], [b.float() for b in wrapped.buffers()]))
         for p in wrapped.parameters():
             p.grad = None
-        measured = peak_memory(lambda: _step(wrapped, ex), wrapped, ex.inputs, ex.kwargs or {})
+        measured = peak_memory(lambda: planned_step(wrapped, ex), wrapped, ex.inputs, ex.kwargs or {})
     assert diff == 0.0 and torch.equal(ref_rng, rng)    # outputs, loss, grads, buffers; RNG after
     assert measured <= planned_at, f"{name}: measured {measured} over {planned_at}"
     assert planned_at >= budget
@@ -93,7 +93,7 @@ def test_autocast_bf16_replans_and_matches(name):
         _same_step(ex, ref, wrapped)
     def step():             # its own autocast context, as a training step has: the weights' casts
         with torch.autocast("cpu", dtype=torch.bfloat16):      # are cached per context, so they count
-            _step(wrapped, ex)
+            planned_step(wrapped, ex)
     measured = peak_memory(step, wrapped, ex.inputs, ex.kwargs)
     assert measured <= wrapped.plan.predicted_peak_bytes <= wrapped.plan.budget_bytes
     assert wrapped.plan.predicted_peak_bytes <= 1.05 * measured      # the accuracy contract (test_accuracy.py)
