@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import math
 import os
 import random
@@ -48,6 +49,15 @@ from runtime.verify import training_loss  # noqa: E402
 # Node limits (not time) bound the solver, so a case plans the same on every run and machine;
 # the time limit is only a safety net.
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=5.0, max_nodes=100, rel_gap=0.05, improve_evals=1000))
+# PlanOptions(keep_output=True): the step holds the output through backward (newer planners; older
+# ones always assumed so)
+_KEEP_OUTPUT_OPTION = "keep_output" in {f.name for f in dataclasses.fields(PlanOptions)}
+
+
+def options(case) -> PlanOptions:
+    if _KEEP_OUTPUT_OPTION and case.hold_output:
+        return dataclasses.replace(FAST, keep_output=True)
+    return FAST
 ACTS = ("gelu", "relu", "silu", "tanh")
 
 
@@ -393,6 +403,7 @@ class Case:
     mode: str                         # "train" or "eval->train" (wrapped in eval, then .train()-ed)
     u: float                          # budget = min_feasible + u * (unplanned - min_feasible)
     features: list[str] = field(default_factory=list)
+    hold_output: bool = True          # the step keeps the output alive through backward
 
     def summary(self) -> str:
         return " ".join(self.features)
@@ -514,7 +525,13 @@ def make_case(seed: int) -> Case:
         features.append(f"frozen={','.join(frozen)}")
     if input_grad:
         features.append("input-grad")
-    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features)
+    # drawn last, so that every earlier draw (the model, inputs, budget) is what it was before this
+    # feature existed: `out = model(x); loss_fn(out).backward()` or `loss_fn(model(x)).backward()`
+    hold_output = r.random() < 0.5
+    if not _KEEP_OUTPUT_OPTION:
+        hold_output = True              # planners before the keep_output option assume it is held
+    features.append("holds-output" if hold_output else "releases-output")
+    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features, hold_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,14 +575,16 @@ def _state(model: nn.Module) -> dict:
 
 def budgets(case: Case) -> tuple[int, int, int]:
     """(unplanned, smallest feasible, budget) in bytes, from the simulator, on a copy in wrap-time mode."""
-    a = analyze(copy.deepcopy(case.model), case.args, case.kwargs, case.loss_fn)
+    opts = options(case)
+    kw = {"keep_output": True} if _KEEP_OUTPUT_OPTION and case.hold_output else {}
+    a = analyze(copy.deepcopy(case.model), case.args, case.kwargs, case.loss_fn, **kw)
     cg = a.cost_graph
-    unplanned = solve_plan(cg, 10**15, FAST).predicted_peak_bytes
+    unplanned = solve_plan(cg, 10**15, opts).predicted_peak_bytes
     # the smallest feasible peak as solve_plan reports it when asked for too little (the least
     # simulated peak of its known plans, the least-peak ILP's among them): one ILP fewer than
     # solving at unplanned - 1 (tests/conftest.py), which reports the same or up to one plan less
     try:
-        p = solve_plan(cg, 1, FAST)
+        p = solve_plan(cg, 1, opts)
         min_feasible = p.predicted_peak_bytes
     except InfeasibleBudgetError as e:
         min_feasible = e.min_feasible_bytes
@@ -601,7 +620,7 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
     rng_before = torch.get_rng_state()
     try:
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=case.args, example_kwargs=case.kwargs,
-                                loss_fn=case.loss_fn, options=FAST)
+                                loss_fn=case.loss_fn, options=options(case))
     except InfeasibleBudgetError as e:
         info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
         return [f"infeasible: plan_and_wrap raised at budget {budget} B >= smallest feasible {min_feasible} B "
@@ -640,13 +659,20 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
         seed = 1000 + 17 * case.seed + step
         res_ref, res = {}, {}
 
+        hold = case.hold_output or step == 2      # outputs are compared where the step holds them
+
         def run(m, a, kw, into):
             torch.manual_seed(seed)
-            out = m(*a, **kw)
-            loss = training_loss(out, case.loss_fn)
-            loss.backward()
-            into["out"], into["loss"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), \
-                loss.detach()
+            if hold:
+                out = m(*a, **kw)
+                loss = training_loss(out, case.loss_fn)
+                loss.backward()
+                into["out"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+            else:
+                loss = training_loss(m(*a, **kw), case.loss_fn)
+                loss.backward()
+                into["out"] = None
+            into["loss"] = loss.detach()
 
         m_ref = peak_memory(lambda: run(oracle, args_ref, kwargs_ref, res_ref), oracle,
                             *_input_tensors(case, args_ref, kwargs_ref))
@@ -668,7 +694,8 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
                              f"{measured} B ({plan.predicted_peak_bytes / measured:.3f}x)")
         if not _same(res["loss"], res_ref["loss"]):
             fails.append(f"mismatch/loss: step {step}: {res['loss'].item()} vs {res_ref['loss'].item()}")
-        outs, outs_ref = tree_flatten(res["out"])[0], tree_flatten(res_ref["out"])[0]
+        leaves = lambda o: [] if o is None else tree_flatten(o)[0]   # noqa: E731  (None: the step released it)
+        outs, outs_ref = leaves(res["out"]), leaves(res_ref["out"])
         bad = [i for i, (a, b) in enumerate(zip(outs, outs_ref)) if not _same(a, b)]
         if bad or len(outs) != len(outs_ref):
             fails.append(f"mismatch/output: step {step}: leaf {bad[:1]} {_diff(outs[bad[0]], outs_ref[bad[0]]) if bad else 'count'}")
