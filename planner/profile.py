@@ -29,7 +29,7 @@ from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import stand_in
 from .rng import rng_preserved
 from .simulate import timeline
-from .storage import LiveBytes
+from .storage import LiveBytes, fake_twin
 from .trace import placeholder_values
 
 LOSS = "loss"
@@ -152,10 +152,15 @@ class _ProfileMode(LiveBytes):
         if st in self._sizes or st in self.fixed_ids:
             return False
         self.fixed_ids[st] = len(self.fixed_storages)
+        twin = fake_twin(t)             # the fake copy ops compute on: the same fixed storage
+        if twin is not None:
+            self.fixed_ids[twin.untyped_storage()] = len(self.fixed_storages)
         self.fixed_storages.append(st)
         return True
 
     def add(self, t, nbytes: int | None = None):
+        if t.untyped_storage() in self.fixed_ids:       # a view of a fixed tensor read by the step
+            return False
         if not super().add(t, nbytes) or self.node < 0:
             return False
         st = t.untyped_storage()

@@ -44,6 +44,15 @@ def output_storage_bytes(func, args, kwargs, t: torch.Tensor) -> int:
     return max(n, shape.numel() * t.element_size())
 
 
+def fake_twin(t: torch.Tensor) -> torch.Tensor | None:
+    """Under a FakeTensorMode, the fake tensor it makes of the real `t` when an op reads `t`
+    (memoized: the same one every time), else None. Its storage is `t`'s, not new memory."""
+    if type(t).__name__ == "FakeTensor":
+        return None
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return mode.from_tensor(t) if mode is not None else None
+
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
@@ -86,7 +95,7 @@ class LiveBytes(TorchDispatchMode):
     def add(self, t: torch.Tensor, nbytes: int | None = None) -> bool:
         """Count `t`'s storage (`nbytes`, default its size) if it is new; return whether it was."""
         st = storage_of(t)
-        if st in self._sizes:
+        if st in self._sizes or st in self._read_sizes:     # new, not one read before the step
             return False
         n = st.nbytes() if nbytes is None else nbytes
         self._sizes[st] = n
@@ -111,6 +120,9 @@ class LiveBytes(TorchDispatchMode):
             return False
         self._read_sizes[st] = st.nbytes()
         self.read_bytes += st.nbytes()
+        twin = fake_twin(t)
+        if twin is not None:            # the fake copy the fake mode will compute on: not new memory
+            self._read_sizes[storage_of(twin)] = 0
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
