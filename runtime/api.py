@@ -1,6 +1,7 @@
 """plan_and_wrap(): the model a user trains, with checkpoint regions that fit the budget."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Callable
 
@@ -15,7 +16,7 @@ from planner.state import mode_key, training_modes
 
 from .compiled import CompiledReplay
 from .modules import checkpointing, plan_modules
-from .rewrite import adopt, rewrite
+from .rewrite import adopt, rewrite, view_replay
 from .verify import dry_run_peak
 
 
@@ -158,7 +159,8 @@ class RematModule(torch.nn.Module):
                 return model(*args, **kwargs)
         if gm.training != self.training:
             gm.train(self.training)
-        return gm(**traced.inputs(model, args, kwargs))
+        with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views
+            return gm(**traced.inputs(model, args, kwargs))
 
 
 def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):

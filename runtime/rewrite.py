@@ -81,6 +81,14 @@ class _Rewound:
         return False
 
 
+def view_replay():
+    """Autograd replays views (as it always does for fake tensors) instead of tracking them as
+    as_strided: an in-place op on a view (`linear(x3d).relu_()`) then backpropagates through the
+    view itself, without the base-sized zeros and copies of AsStridedBackward that a fake-tensor
+    replay does not see. Same gradients, bitwise; the wrapped step runs, and recomputes, this way."""
+    return torch.autograd._force_original_view_tracking(True)
+
+
 def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):
     """The recompute context of a region whose forward starts now, reading or writing `tensors`
     (see `_Rewound`); `recompute_ctx` (a SAC context) runs inside it."""
@@ -94,6 +102,12 @@ def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):
 @contextlib.contextmanager
 def _rewound(recompute_ctx, tensors: list[torch.Tensor], seen: list[torch.Tensor]):
     with _Rewound(tensors, seen), recompute_ctx:
+        yield
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
         yield
 
 
@@ -138,7 +152,7 @@ class CheckpointRegion(torch.nn.Module):
         fwd, rec = ((create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)) if self.saved
                     else (contextlib.nullcontext(), contextlib.nullcontext()))
         tensors = [getattr(m, name) for m, name in self._state] + [args[i] for i in self._rewound_args]
-        return _scoped(fwd), _scoped(rewinding(tensors, rec))
+        return _scoped(fwd), _scoped(_both(view_replay(), rewinding(tensors, rec)))
 
     def forward(self, *args):
         gm = self._gm[0]

@@ -354,3 +354,49 @@ def test_a_module_fake_tensors_cannot_run_is_profiled_for_real():
     wrapped, budget = _wrap_at(model, (x,), _mean_square(model), 0.0)
     _same_training(ref, wrapped, (x,), _mean_square)
     _fits(wrapped, budget, (x,), _mean_square(wrapped))
+
+
+def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
+    """CPU native_batch_norm returns a contiguous output for a transposed (N, C, L) input; its meta
+    kernel keeps the input's strides, so a later reshape copied for real only (fuzz seed 22)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from planner.storage import real_layout
+    x = torch.randn(2, 12, 16).transpose(1, 2)          # (N, C, L), channels innermost
+    args = (x, torch.ones(16), torch.zeros(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)
+    real = torch.ops.aten.native_batch_norm.default(*args)[0]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.ops.aten.native_batch_norm.default(*args)
+        fixed = real_layout(torch.ops.aten.native_batch_norm.default, args, out)[0]
+    assert fixed.stride() == real.stride() and fixed.shape == real.shape
+
+
+class TransposedNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):                               # x: (N, L, C)
+        return self.lin(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+
+class InPlaceOnView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)                                 # a view of the matmul's 2-D result
+        return h.relu_()
+
+
+@pytest.mark.parametrize("block", [TransposedNorm, InPlaceOnView])
+def test_layouts_and_views_the_fake_step_misses_are_in_the_prediction(block):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[block() for _ in range(6)], nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 24, 16)
+    for fraction in (1.0, 0.0):
+        wrapped, budget = _wrap_at(copy.deepcopy(model), (x,), _mean_square(model), fraction)
+        _same_training(copy.deepcopy(ref), wrapped, (x,), _mean_square, steps=1)
+        _fits(wrapped, budget, (x,), _mean_square(wrapped))
