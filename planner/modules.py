@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .rng import rng_preserved
-from .storage import LiveBytes
+from .storage import LiveBytes, unlinked
 
 CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -112,13 +112,13 @@ def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) 
     def pack(t):
         sid = serial.get(t.untyped_storage())
         if sid is None:
-            return t
+            return unlinked(t)
         k = active[-1] if active else -1
         who = savers.setdefault(sid, set())
         if k >= 0 and creator.get(sid) == k and k not in who:
             call_saved[k] += sizes[sid]
         who.add(k)
-        return t
+        return unlinked(t)
 
     params = list(model.parameters())
     grads = [p.grad for p in params]

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .rng import host_rng_restored, rng_preserved
-from .storage import LiveBytes
+from .storage import LiveBytes, unlinked
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,10 @@ class OpaqueCost:
     saved_input_positions: tuple[int, ...]   # which tensor inputs autograd saved
     internal_saved_bytes: int                # saved storages made inside the module
     fwd_extra_bytes: int                     # forward peak above its inputs, outputs excluded
-    bwd_extra_bytes: int                     # backward peak above its inputs' and outputs' grads
+    bwd_extra_bytes: int                     # backward peak above what it starts with (saved, outputs' grads)
     host_random: bool = False                # drew Python or numpy random numbers
     writes_state: bool = False               # wrote a tensor attribute of its own in place
+    saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd saved inside it
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,10 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             for i, s in enumerate(in_storages):
                 if s is st:
                     saved_inputs.add(i)
-                    return t
+                    return unlinked(t)
             if all(st is not p.untyped_storage() for p in state.values()):
                 internal[id(st)] = st.nbytes()
-            return t
+            return unlinked(t)
         with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False) as fc:
             start = live.live_bytes
             drawn: list[bool] = []
@@ -114,22 +115,30 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
+            # What its graph still holds now that it returned, its outputs aside (a branch that died
+            # in forward, `delta.norm() < tol`, held its saved tensors only while it ran); the outputs
+            # it saved, the stand-in's outputs hold (saved by it)
+            held = max(0, live.live_bytes - start - out_bytes)
+            saved_outputs = tuple(k for k, t in enumerate(outs) if id(t.untyped_storage()) in internal)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             grads = [t for t in outs if t.requires_grad]
+            seeds = [torch.ones_like(t) for t in grads]     # the outputs' grads: the step has them anyway
             live.reset_peak()
             before_bwd = live.live_bytes
             if grads:
-                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-            made_grads = sum(x.numel() * x.element_size() for x in inputs + list(state.values()) if x.requires_grad)
-            bwd_extra = max(0, live.peak_bytes - before_bwd - made_grads)
-        cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), sum(internal.values()),
-                          fwd_extra, bwd_extra, drawn[0], writes_state)
+                torch.autograd.backward(grads, seeds)
+            # the backward's peak above what it starts with: saved tensors and the outputs' grads
+            bwd_extra = max(0, live.peak_bytes - before_bwd)
+        cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), held,
+                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes
 
 
 class StandIn(torch.autograd.Function):
-    """Fake-tensor stand-in for an opaque module, with its measured memory behaviour."""
+    """Fake-tensor stand-in for an opaque module, with its measured memory behaviour: its
+    outputs, and in backward the gradients of its inputs and parameters. What the module saves
+    inside itself, and its backward's peak, are `_Held`'s, around it."""
 
     @staticmethod
     def forward(ctx, cost: OpaqueCost, out_specs: list, n_inputs: int, *tensors):
@@ -138,18 +147,37 @@ class StandIn(torch.autograd.Function):
         del tmp
         for p in params:
             p.view(-1)          # records that the node reads its parameters
-        internal = torch.empty(cost.internal_saved_bytes, dtype=torch.uint8)
-        ctx.save_for_backward(internal, *[inputs[i] for i in cost.saved_input_positions])
-        ctx.cost, ctx.shapes = cost, [(t.shape, t.dtype) for t in tensors]
-        return tuple(torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+        outs = tuple(torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+        ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
+                              *[outs[i] for i in cost.saved_output_positions])
+        ctx.shapes = [(t.shape, t.dtype) for t in tensors]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors
+        return (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
+                                          for s, d in ctx.shapes)
+
+
+class _Held(torch.autograd.Function):
+    """What an opaque module saves inside itself, held from its forward to its backward, where
+    the backward's measured peak is reached on top of it; released when this node's backward
+    returns, before StandIn's makes the input and parameter grads: as a real module's backward
+    ends, its saved tensors are freed and its grads made."""
+
+    @staticmethod
+    def forward(ctx, cost: OpaqueCost, *outs):
+        ctx.save_for_backward(torch.empty(cost.internal_saved_bytes, dtype=torch.uint8))
+        ctx.cost = cost
+        return tuple(o.view_as(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.saved_tensors
         tmp = torch.empty(ctx.cost.bwd_extra_bytes, dtype=torch.uint8)
         del tmp
-        return (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
-                                          for s, d in ctx.shapes)
+        return (None,) + grads
 
 
 def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
@@ -159,7 +187,7 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     flat_spec, spec = tree_flatten(out_spec)
     tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    outs = iter(StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *module.parameters()))
+    outs = iter(_Held.apply(cost, *StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *module.parameters())))
     return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
 
 

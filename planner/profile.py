@@ -29,7 +29,7 @@ from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import stand_in
 from .rng import rng_preserved
 from .simulate import timeline
-from .storage import LiveBytes, fake_twin
+from .storage import LiveBytes, fake_twin, unlinked
 from .trace import placeholder_values
 
 LOSS = "loss"
@@ -228,7 +228,7 @@ class _Runner(fx.Interpreter):
         st = t.untyped_storage()
         if st in self.mode.sid and self.mode.node >= 0:
             self.holders[self.mode.sid[st]].add(self.mode.node)
-        return t
+        return unlinked(t)
 
     def run_node(self, n: fx.Node):
         i = self.index.get(n)

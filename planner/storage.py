@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 import torch._prims_common
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 
@@ -68,6 +68,15 @@ def fake_twin(t: torch.Tensor) -> torch.Tensor | None:
         return None
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     return mode.from_tensor(t) if mode is not None else None
+
+
+def unlinked(t: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor pack hook returns: `t` detached (same storage, same version counter),
+    seen by no dispatch mode. Returning `t` itself would make every saved *output* a reference
+    cycle (its node holds it, it holds its node) that autograd frees only for unhooked saves, so a
+    branch that dies in forward (`delta.norm() < tol` saves delta and the norm) would stay alive."""
+    with _disable_current_modes():
+        return t.detach()
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
