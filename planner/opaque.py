@@ -3,9 +3,11 @@
 The module runs once for real, alone, on synthetic inputs of the right shapes (random floats,
 zero integers) with detached copies of its parameters and buffers, so the user's model is not
 touched. That run is measured with the same instruments as the fake profile (live bytes, saved
-tensors, FLOPs, a backward). In the fake graph the node is then stood in for by an autograd
-Function that allocates, saves and frees exactly those amounts, keeps the gradient path to its
-inputs and parameters, and produces outputs of the real shapes. Only the module's own
+tensors, FLOPs, a backward). In the fake graph the node is then stood in for by two autograd
+Functions that allocate, save and free those amounts, keep the gradient path to its inputs and
+parameters, and produce outputs of the real shapes: `StandIn` (its outputs; in backward, its
+input and parameter grads) inside `_Held` (what it still holds once it returned; in backward,
+its measured peak on top of that, released before the grads are made). Only the module's own
 activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations

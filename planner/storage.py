@@ -45,17 +45,22 @@ def output_storage_bytes(func, args, kwargs, t: torch.Tensor) -> int:
     return max(n, shape.numel() * t.element_size())
 
 
+# CPU kernels that give their first output the suggested memory format of an input (contiguous
+# for a transposed (N, C, L) tensor) where their meta kernels keep that input's strides: name ->
+# the input's position. A later reshape then copies for real but not on fake tensors.
+# tests/test_trust.py checks each against its real kernel.
+SUGGESTED_LAYOUT = {"aten::native_batch_norm": 0, "aten::native_batch_norm_backward": 1}
+
+
 def real_layout(func, args, out):
-    """`out` as the real kernel lays it out, where the meta kernel differs: CPU native_batch_norm
-    gives its output the input's suggested memory format (contiguous for a transposed (N, C, L)
-    input), its meta kernel the input's strides, so a later reshape copies for real but not on
-    fake tensors. tests/test_trust.py checks this against the real kernel."""
-    if func._schema.name != "aten::native_batch_norm":
+    """`out` as the real kernel lays it out, where the meta kernel differs (SUGGESTED_LAYOUT)."""
+    source = SUGGESTED_LAYOUT.get(func._schema.name)
+    if source is None:
         return out
     y = out[0]
-    if type(y).__name__ != "FakeTensor" or y.device.type != "cpu":
+    if not isinstance(y, torch.Tensor) or type(y).__name__ != "FakeTensor" or y.device.type != "cpu":
         return out
-    fmt = torch._prims_common.suggest_memory_format(args[0])
+    fmt = torch._prims_common.suggest_memory_format(args[source])
     if y.is_contiguous(memory_format=fmt):
         return out
     return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + tuple(out[1:])

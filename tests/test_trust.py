@@ -363,11 +363,16 @@ def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
     from planner.storage import real_layout
     x = torch.randn(2, 12, 16).transpose(1, 2)          # (N, C, L), channels innermost
     args = (x, torch.ones(16), torch.zeros(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)
-    real = torch.ops.aten.native_batch_norm.default(*args)[0]
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        out = torch.ops.aten.native_batch_norm.default(*args)
-        fixed = real_layout(torch.ops.aten.native_batch_norm.default, args, out)[0]
-    assert fixed.stride() == real.stride() and fixed.shape == real.shape
+    fwd = torch.ops.aten.native_batch_norm.default
+    y, mean, rstd = fwd(*args)
+    bwd = torch.ops.aten.native_batch_norm_backward.default
+    bargs = (torch.randn(2, 12, 16).transpose(1, 2), x, torch.ones(16), torch.zeros(16), torch.ones(16),
+             mean, rstd, True, 1e-5, [True, True, True])
+    for op, a in ((fwd, args), (bwd, bargs)):
+        real = op(*a)[0]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fixed = real_layout(op, a, op(*a))[0]
+        assert fixed.stride() == real.stride() and fixed.shape == real.shape, op
 
 
 class TransposedNorm(nn.Module):
