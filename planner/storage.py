@@ -53,17 +53,24 @@ SUGGESTED_LAYOUT = {"aten::native_batch_norm": 0, "aten::native_batch_norm_backw
 
 
 def real_layout(func, args, out):
-    """`out` as the real kernel lays it out, where the meta kernel differs (SUGGESTED_LAYOUT)."""
-    source = SUGGESTED_LAYOUT.get(func._schema.name)
+    """`out` as the real kernel lays it out, where the meta kernel differs: layouts
+    (SUGGESTED_LAYOUT), and CPU native_batch_norm's saved statistics, float32 (as its float32
+    parameters) for a bfloat16/float16 input under autocast, where the meta kernel's follow the input."""
+    name = func._schema.name
+    source = SUGGESTED_LAYOUT.get(name)
     if source is None:
         return out
     y = out[0]
     if not isinstance(y, torch.Tensor) or type(y).__name__ != "FakeTensor" or y.device.type != "cpu":
         return out
+    out = tuple(out)
     fmt = torch._prims_common.suggest_memory_format(args[source])
-    if y.is_contiguous(memory_format=fmt):
-        return out
-    return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + tuple(out[1:])
+    if not y.is_contiguous(memory_format=fmt):
+        out = (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + out[1:]
+    param = next((a for a in (args[1], args[3]) if isinstance(a, torch.Tensor)), None) if name == "aten::native_batch_norm" else None
+    if param is not None and param.dtype == torch.float32 and out[1].dtype != torch.float32:
+        out = out[:1] + tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in out[1:3]) + out[3:]
+    return out
 
 
 def fake_twin(t: torch.Tensor) -> torch.Tensor | None:

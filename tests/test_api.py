@@ -121,7 +121,7 @@ def test_untraceable_submodule_becomes_opaque_and_still_trains_identically():
     assert [m for m, _ in a.traced.opaque] == ["b"]
     assert "control flow" in a.traced.opaque[0][1]
     unplanned = plan(model, 10.0, example_inputs=(x,)).unplanned_peak_bytes
-    wrapped = plan_and_wrap(model, unplanned * 0.8 / 1e9, example_inputs=(x,), options=FAST)
+    wrapped = plan_and_wrap(model, unplanned * 0.9 / 1e9, example_inputs=(x,), options=FAST)
     assert wrapped.plan.regions and wrapped.plan.opaque[0][0] == "b"
     assert "opaque module b" in wrapped.plan.summary()
     wrapped(x).sum().backward()

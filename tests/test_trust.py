@@ -373,6 +373,13 @@ def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
         with FakeTensorMode(allow_non_fake_inputs=True):
             fixed = real_layout(op, a, op(*a))[0]
         assert fixed.stride() == real.stride() and fixed.shape == real.shape, op
+    # bfloat16 input (autocast), float32 parameters: the real kernel's statistics are float32
+    xb = x.to(torch.bfloat16)
+    args = (xb,) + args[1:]
+    real = fwd(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fixed = real_layout(fwd, args, fwd(*args))
+    assert [t.dtype for t in fixed] == [t.dtype for t in real] == [torch.bfloat16, torch.float32, torch.float32]
 
 
 class TransposedNorm(nn.Module):
