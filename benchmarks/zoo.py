@@ -89,6 +89,13 @@ def _step(model, ex, seed=1):
     return [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)] + [loss.detach()], torch.get_rng_state()
 
 
+def planned_step(model, ex, seed=1) -> None:
+    """The step remat plans, `loss_fn(model(...)).backward()`: the output released once the loss
+    is computed (PlanOptions.keep_output is off). Peaks are measured on this one."""
+    torch.manual_seed(seed)
+    ex.loss_fn(model(*ex.inputs, **(ex.kwargs or {}))).backward()
+
+
 def max_diff(a: list, b: list) -> float:
     return max((float((x.double() - y.double()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)),
                default=0.0)
@@ -99,10 +106,10 @@ def measured_step(model, ex) -> int:
     warm-up step; grads are cleared before each."""
     for p in model.parameters():
         p.grad = None
-    _step(model, ex)
+    planned_step(model, ex)
     for p in model.parameters():
         p.grad = None
-    peak = peak_memory(lambda: _step(model, ex), model, ex.inputs, ex.kwargs or {})
+    peak = peak_memory(lambda: planned_step(model, ex), model, ex.inputs, ex.kwargs or {})
     for p in model.parameters():
         p.grad = None
     return peak
@@ -178,7 +185,7 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
                max_diff([b.float() for b in ref.buffers()], [b.float() for b in model.buffers()]))
     for p in model.parameters():
         p.grad = None
-    measured = peak_memory(lambda: _step(wrapped, ex), model, ex.inputs, kwargs)
+    measured = peak_memory(lambda: planned_step(wrapped, ex), model, ex.inputs, kwargs)
     p = wrapped.plan
     return Row(name, p.trace_path, len(p.node_names), [m for m, _ in p.opaque], plan_s, p.unplanned_peak_bytes,
                budget, planned_at, measured, p.predicted_peak_bytes, p.extra_compute_pct, len(p.regions), diff,

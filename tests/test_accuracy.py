@@ -31,6 +31,8 @@ from runtime.zoo import ZOO
 
 from conftest import UNPLANNED, Planned, measured_peak
 
+pytestmark = pytest.mark.slow
+
 HAS_HF = importlib.util.find_spec("transformers") is not None
 HF = [n for n in ZOO if n.startswith("hf-")]
 # zoo models with a graph and repeated blocks (lstm-lm, dyn-loop: no blocks; early-exit: no graph)

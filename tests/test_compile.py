@@ -13,6 +13,8 @@ from runtime.measure import peak_memory
 
 from conftest import FAST
 
+pytestmark = pytest.mark.slow
+
 
 def _compiled(name, budget_bytes):
     ex = examples.EXAMPLES[name]()

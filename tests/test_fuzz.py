@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fuzz  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SAMPLE = list(range(5000, 5030))
 
 # seed: the failure the fuzzer reported (benchmarks/results/*-fuzz*.md has the full run)

@@ -18,6 +18,8 @@ from runtime.zoo import ZOO
 
 from conftest import FAST, max_diff, planned_step, step as _step
 
+pytestmark = pytest.mark.slow
+
 HAS_HF = importlib.util.find_spec("transformers") is not None
 PATHS = {"transformer": "torch.export", "lstm-lm": "fx with opaque leaves", "unet": "fx",
          "dyn-loop": "fx with opaque leaves", "layerdrop": "fx with opaque leaves", "early-exit": "module tree"}
