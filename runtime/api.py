@@ -13,6 +13,7 @@ from planner.errors import TraceError
 from planner.result import Plan
 from planner.simulate import timeline
 from planner.state import mode_key, training_modes
+from planner.trace import MEASURED_WHY
 
 from .compiled import CompiledReplay
 from .modules import checkpointing, plan_modules
@@ -24,18 +25,20 @@ def exact_replay(model: torch.nn.Module, analysis, loss_fn):
     """measure(regions) for solve_plan: rewrite with those regions and dry-run the step.
 
     Opaque modules (fake tensors cannot run them) are stood in for by their measured behaviour,
-    as in the profile; that stand-in is a model of the module, so with opaque modules the
-    prediction is the larger of the replay and the simulator.
+    as in the profile (planner.opaque). An RNN's stand-in models a kernel whose workspace fake
+    tensors do not see, and a recomputed one measures above its replay: with one, the prediction
+    is the larger of the replay and the simulator.
     """
     gm, inputs = analysis.traced.gm, analysis.example_inputs
     opaque = tuple(m for m, _ in analysis.traced.opaque)
+    kernels = any(why == MEASURED_WHY for _, why in analysis.traced.opaque)
 
     def measure(regions) -> int:
         skeleton = Plan.of_regions(regions, tuple(c.name for c in analysis.cost_graph.nodes), analysis.cost_graph.meta)
         with training_modes(model):             # the step planned is a training step (planner.state)
             replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples,
                                     keep_output=analysis.cost_graph.meta.get("keep_output", False))
-        return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if opaque else replayed
+        return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if kernels else replayed
     return measure
 
 
