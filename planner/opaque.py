@@ -39,6 +39,7 @@ class OpaqueCost:
 class TensorSpec:
     shape: torch.Size
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None    # the real output's layout: a later reshape may copy
 
 
 def _real_like(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             bwd_extra = max(0, live.peak_bytes - before_bwd)
         cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), held,
                           fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs)
-        shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes
 
 
@@ -149,7 +150,8 @@ class StandIn(torch.autograd.Function):
         del tmp
         for p in params:
             p.view(-1)          # records that the node reads its parameters
-        outs = tuple(torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+        outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype) if o.stride is not None
+                     else torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
         ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
                               *[outs[i] for i in cost.saved_output_positions])
         ctx.shapes = [(t.shape, t.dtype) for t in tensors]
