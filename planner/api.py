@@ -112,7 +112,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     feasible budget) when no plan fits.
     """
     predict = lambda regions: math.ceil(timeline(cg, regions).peak_bytes * (1.0 + options.safety_margin))  # noqa: E731
-    margin = 1.0 + replay_margin(options, cg)
+    margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
     unplanned = predict(())
     base = dict(budget_bytes=int(budget_bytes), unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
                 node_names=tuple(c.name for c in cg.nodes),
@@ -147,11 +147,11 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     return replace(plan, notes=plan.notes + (f"predicted peak: {replay}" + (f", plus {added:.0%}" if added else ""),))
 
 
-def replay_margin(options: PlanOptions, cg: CostGraph) -> float:
-    """The margin added to replayed peaks (PlanOptions.replay_margin; by the graph's device)."""
+def replay_margin(options: PlanOptions, device: str) -> float:
+    """The margin added to replayed peaks (PlanOptions.replay_margin; by the device type)."""
     if options.replay_margin is not None:
         return options.replay_margin
-    return 0.0 if cg.meta.get("device", "cpu") in ("cpu", "meta") else 0.01
+    return 0.0 if device in ("cpu", "meta") else 0.01
 
 
 def _fit(cg, budget_bytes, options, cands, known, peaks, predict, measure, margin):

@@ -200,7 +200,8 @@ class _Runner(fx.Interpreter):
                  opaque: dict[str, dict[str, torch.Tensor]], examples: dict[str, list]):
         super().__init__(gm)
         self.opaque = opaque            # opaque module name -> its real parameters and buffers
-        self.host_random: dict[int, str] = {}   # opaque nodes that draw Python/numpy random numbers
+        self.not_recomputable: dict[int, str] = {}   # opaque nodes a recompute would get wrong, and why
+        self.host_random: set[int] = set()      # those of them that draw Python/numpy random numbers
         self.examples = examples        # opaque module name -> its real inputs (opaque.real_inputs)
         self.mode, self.flops = mode, flops
         self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
@@ -255,10 +256,11 @@ class _Runner(fx.Interpreter):
                              self.examples.get(n.target))
         self.flops.flop_counts["Global"][_OPAQUE_FLOPS] += cost.flops
         if cost.writes_state:
-            self.host_random[self.index[n]] = ("writes a tensor attribute of its own in place, which a recompute "
+            self.not_recomputable[self.index[n]] = ("writes a tensor attribute of its own in place, which a recompute "
                                                "would write again")
         if cost.host_random:
-            self.host_random[self.index[n]] = ("draws Python or numpy random numbers, which a recompute "
+            self.host_random.add(self.index[n])
+            self.not_recomputable[self.index[n]] = ("draws Python or numpy random numbers, which a recompute "
                                                "would draw again (checkpoint replays only torch's RNG)")
         return out
 
@@ -372,14 +374,14 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     for i in range(len(nodes) + 1):
         r = runner.rec[i]
         is_loss = i == loss_i
-        why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.host_random.get(i, "")
+        why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "")
         node_costs.append(NodeCost(
             name=LOSS if is_loss else nodes[i].name,
             target=LOSS if is_loss else _target_name(gm, nodes[i]),
             module="" if is_loss else _module_of(nodes[i]),
             flops=int(r["flops"]),
             cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
-            ops=mode.ops[i], random=i in mode.random or (i in runner.host_random and 'random' in runner.host_random[i]),
+            ops=mode.ops[i], random=i in mode.random or i in runner.host_random,
             opaque=not is_loss and nodes[i].op == "call_module" and nodes[i].target in runner.opaque,
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from planner import PlanOptions
 from planner.errors import InfeasibleBudgetError
+from planner.api import replay_margin
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
 from planner.state import training_modes
@@ -72,8 +73,7 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, 
     t0 = time.perf_counter()
     prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]
-    device = next(model.parameters()).device.type
-    margin = 1.0 + (options.replay_margin if options.replay_margin is not None else 0.0 if device == "cpu" else 0.01)
+    margin = 1.0 + replay_margin(options, next(model.parameters()).device.type)
     measure = lambda chosen: math.ceil(measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen]) * margin)  # noqa: E731
     unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
