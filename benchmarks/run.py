@@ -38,7 +38,7 @@ from planner.result import Plan  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
 from planner.trace import capture  # noqa: E402
 from runtime import peak_memory  # noqa: E402
-from runtime.api import exact_replay  # noqa: E402
+from runtime.api import ExactReplay  # noqa: E402
 from runtime.measure import allocator_peak  # noqa: E402
 from runtime.rewrite import rewrite  # noqa: E402
 
@@ -77,11 +77,11 @@ def meter_check(name: str, ex) -> dict:
     return dict(model=name, live=live, alloc=allocator_peak(lambda: step(model, ex), model, *ex.inputs))
 
 
-def run_rewritten(ex, plan: Plan, ref) -> tuple[torch.nn.Module, int, bool]:
+def run_rewritten(ex, regions, names, ref) -> tuple[torch.nn.Module, int, bool]:
     """The model rewritten with `regions`, its peak, and whether it gives the reference result."""
     model = copy.deepcopy(ex.model)
     traced = capture(model, ex.inputs, {})
-    rewritten = rewrite(model, traced.gm, plan)
+    rewritten = rewrite(model, traced.gm, regions, names)
     gm = Called(rewritten, lambda args: traced.inputs(model, args, {}))
     same = same_result(model, step(gm, ex), ref)
     model.zero_grad(set_to_none=True)
@@ -123,12 +123,12 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     """Every strategy's row at one budget, our plan, and notes on the compiled plans."""
     cg = a.cost_graph
     t0 = time.perf_counter()
-    ours = solve_plan(cg, budget, s.opts, a.traced.opaque, measure=exact_replay(ex.model, a, ex.loss_fn))
+    ours = solve_plan(cg, budget, s.opts, a.traced.opaque, measure=ExactReplay(ex.model, a, ex.loss_fn))
     ours_s = a.analyze_s + time.perf_counter() - t0
     strategies = {k: (fn(cg), 0.0) for k, fn in BASELINES.items()}
     strategies["remat (ours)"] = (ours.regions, ours_s)
     names = tuple(c.name for c in cg.nodes)
-    runs = {label: run_rewritten(ex, Plan.of_regions(regions, names), ref) for label, (regions, _) in strategies.items()}
+    runs = {label: run_rewritten(ex, regions, names, ref) for label, (regions, _) in strategies.items()}
     hf = hf_checkpointed(ex, ref)
     if hf is not None:
         runs[HF_GC] = hf

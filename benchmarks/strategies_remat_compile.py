@@ -3,7 +3,7 @@
 In compile mode the planner plans plain regions only, the rewritten graph compiles whole (each
 region is Dynamo's checkpoint op: no graph breaks), and every plan it tries is compiled and
 measured with real steps, since Inductor's partitioner decides what else the step saves
-(runtime.compiled). Inductor runs with its defaults plus, as for the torch.compile strategy,
+(runtime.rewrite.compiled). Inductor runs with its defaults plus, as for the torch.compile strategy,
 `fallback_random=True` and the FX graph / AOTAutograd caches off, so dropout draws eager's masks,
 the result can be checked against the float64 eager step, and compile times are cold ones.
 Planning time here includes every compile.
@@ -26,7 +26,7 @@ from planner.result import Plan, Region
 from planner.trace import capture
 from runtime.api import plan_and_wrap
 from runtime.measure import allocator_peak
-from runtime.rewrite import rewrite
+from runtime.rewrite import rewrite, rewrite_plan
 
 from .measure import as_close_as_eager, same_result, step
 
@@ -46,7 +46,7 @@ def rewritten(ex, plan: Plan) -> tuple[torch.nn.Module, torch.fx.GraphModule, ob
     """A fresh copy of the model, its graph rewritten with `plan`'s regions, and the capture."""
     model = copy.deepcopy(ex.model)
     traced = capture(model, ex.inputs, {})
-    return model, rewrite(model, traced.gm, plan), traced
+    return model, rewrite_plan(model, traced.gm, plan), traced
 
 
 def _cold():
@@ -144,7 +144,7 @@ def dropout_region_error(fallback_random: bool) -> float:
         traced = capture(toy, (x,), {})
         nodes = compute_nodes(traced.gm)
         region = Region(0, len(nodes) - 1)
-        gm = rewrite(toy, traced.gm, Plan.of_regions((region,), tuple(n.name for n in nodes)))
+        gm = rewrite(toy, traced.gm, (region,), tuple(n.name for n in nodes))
         torch._dynamo.reset()
         with functorch_config.patch(enable_autograd_cache=False), \
                 inductor_config.patch(fallback_random=fallback_random, fx_graph_cache=False):

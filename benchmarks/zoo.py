@@ -1,4 +1,4 @@
-"""Real architectures (runtime.zoo) at 50% of their activation memory: trace path, fit, equality.
+"""Real architectures (benchmarks/zoo_models.py) at 50% of their activation memory: trace path, fit, equality.
 
     python benchmarks/zoo.py [--models hf-gpt2,lstm-lm] [--fraction 0.5] [--out results/zoo.md]
 
@@ -36,7 +36,7 @@ from planner.simulate import timeline
 from runtime import plan_and_wrap
 from runtime.measure import peak_memory
 from runtime.rewrite import rewrite
-from runtime.zoo import ZOO
+from benchmarks.zoo_models import ZOO
 
 
 @dataclass
@@ -149,7 +149,7 @@ def every_block_peak(ex) -> int | None:
     regions = every_block(a.cost_graph)
     if not regions:
         return None
-    gm = rewrite(model, a.traced.gm, Plan.of_regions(regions, tuple(c.name for c in a.cost_graph.nodes)))
+    gm = rewrite(model, a.traced.gm, regions, tuple(c.name for c in a.cost_graph.nodes))
     return measured_step(_Graph(model, gm, a.traced), ex)
 
 

@@ -1,9 +1,36 @@
-"""remat's planner: trace -> profile -> CostGraph -> solve -> simulate. Never imports runtime/."""
-from .api import Analysis, PlanOptions, analyze, budget_to_bytes, plan, solve_plan
-from .costgraph import CostGraph
-from .errors import InfeasibleBudgetError, RematError, SolverError, TraceError
-from .result import Plan, Region
-from .solve import SolveOptions
+"""remat's planner: trace -> profile -> CostGraph -> solve -> simulate. Never imports runtime/.
 
-__all__ = ["plan", "analyze", "solve_plan", "budget_to_bytes", "Analysis", "Plan", "PlanOptions", "Region",
-           "CostGraph", "SolveOptions", "RematError", "InfeasibleBudgetError", "TraceError", "SolverError"]
+The pure core needs no torch: `costgraph`, `simulate` (the one liveness kernel), `candidates`,
+`baselines`, `improve`, `solve`, `fit` (solve_plan), `result`, `budget`, `units`, `rates`,
+`errors` (tests/test_solver.py imports them in a process where torch cannot be imported). The
+torch side captures and profiles a model: `trace`, `profile`, `opaque`, `modules`, `storage`,
+`state`, `rng`, and `api` (analyze, plan). Names are exported lazily, so importing the core
+does not import the torch side.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "plan": "api", "analyze": "api", "Analysis": "api",
+    "solve_plan": "fit", "PlanOptions": "fit", "Measure": "fit",
+    "budget_to_bytes": "budget", "parse_budget": "budget", "Budget": "budget",
+    "CostGraph": "costgraph", "Plan": "result", "Region": "result", "SolveOptions": "solve",
+    "DeviceRates": "rates",
+    "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
+    "BudgetError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

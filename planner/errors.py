@@ -1,10 +1,12 @@
 """The planner's errors: typed, carrying their numbers, with the next step in the message."""
 from __future__ import annotations
 
+from .units import size_text
+
 
 def gb(n_bytes: int) -> str:
     """Bytes as GB (10^9) with four significant digits: '0.01734 GB', '13.69 GB'."""
-    return f"{n_bytes / 1e9:.4g} GB"
+    return size_text(n_bytes, "GB")
 
 
 class RematError(Exception):
@@ -12,16 +14,25 @@ class RematError(Exception):
 
 
 class InfeasibleBudgetError(RematError):
-    """No plan fits the budget; `min_feasible_bytes` is the smallest budget that does."""
+    """No plan fits the budget; `min_feasible_bytes` is the smallest budget that does, by the
+    prediction `source` names. The message prints it in `unit`, rounded up: typed back in as the
+    budget, it fits."""
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, source: str = "", unit: str | None = "GB"):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        self.source, self.unit = source, unit
+        floor = size_text(min_feasible_bytes, unit, round_up=True)
         super().__init__(
-            f"budget {gb(budget_bytes)} is below the smallest feasible peak {gb(min_feasible_bytes)} "
-            f"for this model and input; raise the budget to at least {gb(min_feasible_bytes)}, "
-            f"or shrink the batch/sequence"
+            f"budget {size_text(budget_bytes, unit)} is below the smallest feasible peak {floor} for this "
+            f"model and input{f' ({source})' if source else ''}; raise the budget to at least {floor}, or "
+            f"shrink the batch/sequence"
         )
+
+    def in_unit(self, unit: str | None) -> "InfeasibleBudgetError":
+        """The same error, its sizes printed in `unit` (the one the user wrote the budget in; None:
+        the decimal unit that suits)."""
+        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.source, unit)
 
 
 class TraceError(RematError):
@@ -43,3 +54,7 @@ class SolverError(RematError):
 
 class UnsafePlanError(RematError):
     """A plan asks for something the runtime cannot do correctly (not one the planner makes)."""
+
+
+class BudgetError(RematError, ValueError):
+    """A budget that is not one: not a size, not positive, an unknown unit."""

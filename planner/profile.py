@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import stand_in
+from .rates import DeviceRates
 from .rng import rng_preserved
 from .simulate import timeline
 from .storage import LiveBytes, fake_twin, unlinked
@@ -47,23 +48,6 @@ class ValueDependent(RuntimeError):
         self.why = f"{type(cause).__name__}: {str(cause).strip().split(chr(10))[0][:200]}"
         super().__init__(f"{module}: {self.why}")
 _OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outside the fake run
-
-
-@dataclass(frozen=True)
-class DeviceRates:
-    """Nominal device speed for the recompute-time estimate: a roofline of FLOPs and bytes moved,
-    plus a fixed cost per dispatched op (eager PyTorch launches each op from Python)."""
-    flops_per_s: float
-    bytes_per_s: float
-    op_s: float
-    region_s: float = 2e-4      # one checkpoint region: its call, frame and recompute set-up
-    sac_op_s: float = 3e-5      # each op of a SAC region: the policy mode runs, forward and recompute
-
-    @classmethod
-    def for_device(cls, device: torch.device) -> "DeviceRates":
-        if device.type == "cuda":
-            return cls(flops_per_s=2e14, bytes_per_s=3e12, op_s=1e-5)
-        return cls(flops_per_s=1.5e11, bytes_per_s=4e10, op_s=1e-5)   # fitted on 2 x86 cores
 
 
 # Namespaces whose ops torch itself defines and tags: an untagged op there draws no random numbers.

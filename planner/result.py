@@ -42,18 +42,6 @@ class Plan:
     notes: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict)
 
-    @classmethod
-    def of_regions(cls, regions, node_names: tuple[str, ...], meta: dict | None = None) -> "Plan":
-        """Regions alone, numbers left at zero: what the rewriter needs to try a plan out
-        (`meta`: the CostGraph's, which says which buffers the step writes)."""
-        return cls(regions=tuple(regions), budget_bytes=0, predicted_peak_bytes=0, unplanned_peak_bytes=0,
-                   min_feasible_bytes=None, recompute_flops=0, total_flops=0, recompute_s=0.0, forward_s=0.0,
-                   solver="", status="", gap=0.0, solve_s=0.0, node_names=tuple(node_names), meta=dict(meta or {}))
-
-    @property
-    def regions_by_name(self) -> list[list[str]]:
-        return [list(self.node_names[r.start:r.end + 1]) for r in self.regions]
-
     @property
     def trace_path(self) -> str:
         """How the graph was captured: "fx", "fx with opaque leaves", "torch.export", "module tree"."""

@@ -8,38 +8,45 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from planner import PlanOptions, analyze, budget_to_bytes, solve_plan
-from planner.errors import TraceError
+from planner import PlanOptions, analyze, solve_plan
+from planner.budget import Budget, as_budget
+from planner.errors import InfeasibleBudgetError, TraceError
+from planner.fit import DEFAULT_ROUNDS, unplanned_peak_bytes
 from planner.result import Plan
 from planner.simulate import timeline
 from planner.state import mode_key, training_modes
 from planner.trace import MEASURED_WHY
 
-from .compiled import CompiledReplay
-from .modules import checkpointing, plan_modules
-from .rewrite import adopt, rewrite, view_replay
-from .verify import dry_run_peak
+from .measure import dry_run_peak
+from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
 
 
-def exact_replay(model: torch.nn.Module, analysis, loss_fn):
-    """measure(regions) for solve_plan: rewrite with those regions and dry-run the step.
+class ExactReplay:
+    """The `planner.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
+    fake tensors (runtime.measure.replay).
 
     Opaque modules (fake tensors cannot run them) are stood in for by their measured behaviour,
     as in the profile (planner.opaque). An RNN's stand-in models a kernel whose workspace fake
     tensors do not see, and a recomputed one measures above its replay: with one, the prediction
     is the larger of the replay and the simulator.
     """
-    gm, inputs = analysis.traced.gm, analysis.example_inputs
-    opaque = tuple(m for m, _ in analysis.traced.opaque)
-    kernels = any(why == MEASURED_WHY for _, why in analysis.traced.opaque)
+    what = "the exact replay on fake tensors"
+    eager = True
+    rounds = DEFAULT_ROUNDS
 
-    def measure(regions) -> int:
-        skeleton = Plan.of_regions(regions, tuple(c.name for c in analysis.cost_graph.nodes), analysis.cost_graph.meta)
-        with training_modes(model):             # the step planned is a training step (planner.state)
-            replayed = dry_run_peak(rewrite(model, gm, skeleton), inputs, loss_fn, opaque, analysis.opaque_examples,
-                                    keep_output=analysis.cost_graph.meta.get("keep_output", False))
-        return max(replayed, timeline(analysis.cost_graph, regions).peak_bytes) if kernels else replayed
-    return measure
+    def __init__(self, model: torch.nn.Module, analysis, loss_fn):
+        self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
+        self.opaque = tuple(m for m, _ in analysis.traced.opaque)
+        self.kernels = any(why == MEASURED_WHY for _, why in analysis.traced.opaque)
+        self.names = tuple(c.name for c in analysis.cost_graph.nodes)
+
+    def __call__(self, regions) -> int:
+        a = self.analysis
+        with training_modes(self.model):             # the step planned is a training step (planner.state)
+            gm = rewrite(self.model, a.traced.gm, regions, self.names, a.cost_graph.meta, self.opaque)
+            replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
+                                    keep_output=a.cost_graph.meta.get("keep_output", False))
+        return max(replayed, timeline(a.cost_graph, regions).peak_bytes) if self.kernels else replayed
 
 
 def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:
@@ -90,7 +97,7 @@ def _autocast_state() -> tuple:
 
 
 class RematModule(torch.nn.Module):
-    """`model` with activation checkpointing planned to fit `budget_bytes`.
+    """`model` with activation checkpointing planned to fit `budget` (a planner.budget.Budget).
 
     Registers the original model's children, parameters and buffers under their original names
     (the same objects): `state_dict()` keys are unchanged and an optimizer built on the original
@@ -99,13 +106,13 @@ class RematModule(torch.nn.Module):
     model runs unchanged.
     """
 
-    def __init__(self, model: torch.nn.Module, budget_bytes: int, loss_fn: Callable | None,
+    def __init__(self, model: torch.nn.Module, budget: Budget, loss_fn: Callable | None,
                  options: PlanOptions, compile: dict | None = None):
         super().__init__()
         adopt(self, model)
         self._model = (model,)                 # tuples keep these out of the module tree
         self.train(model.training)
-        self._budget_bytes, self._loss_fn, self._options = budget_bytes, loss_fn, options
+        self._budget, self._loss_fn, self._options = budget, loss_fn, options
         self._compile = compile                # torch.compile kwargs: plans are for the compiled step
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
@@ -131,25 +138,28 @@ class RematModule(torch.nn.Module):
         key = _shape_key(args, kwargs, model)
         if key not in self._plans:
             try:
-                a = analyze(model, args, kwargs, self._loss_fn, self._options.rates,
-                            keep_output=self._options.keep_output, deterministic_ops=self._options.deterministic_ops)
-            except TraceError as e:             # no graph at all: plan over the module tree
-                if self._compile is not None:
-                    raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
-                                              "compile (the module tree is planned, eagerly)") from e
-                p = plan_modules(model, args, kwargs, self._loss_fn, self._budget_bytes, self._options, e.cause)
-                self._plans[key] = (p, None, None)
-            else:
-                if self._compile is not None:
-                    self._plans[key] = _plan_compiled(model, a, self._budget_bytes, self._loss_fn,
-                                                      self._options, self._compile)
-                    self._last = key
-                    return self._plans[key][0]
-                p = solve_plan(a.cost_graph, self._budget_bytes, self._options, a.traced.opaque,
-                               measure=exact_replay(model, a, self._loss_fn))
-                self._plans[key] = (p, rewrite(model, a.traced.gm, p), a.traced)
+                self._plans[key] = self._make_plan(model, args, kwargs)
+            except InfeasibleBudgetError as e:     # sizes in the unit the budget was written in
+                raise e.in_unit(self._budget.unit) from None
         self._last = key
         return self._plans[key][0]
+
+    def _make_plan(self, model, args, kwargs) -> tuple:
+        """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
+        try:
+            a = analyze(model, args, kwargs, self._loss_fn, self._options.rates,
+                        keep_output=self._options.keep_output, deterministic_ops=self._options.deterministic_ops)
+        except TraceError as e:             # no graph at all: plan over the module tree
+            if self._compile is not None:
+                raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
+                                          "compile (the module tree is planned, eagerly)") from e
+            return plan_modules(model, args, kwargs, self._loss_fn, self._budget, self._options, e.cause), None, None
+        budget_bytes = self._budget.bytes_of(unplanned_peak_bytes(a.cost_graph, self._options))
+        if self._compile is not None:
+            return _plan_compiled(model, a, budget_bytes, self._loss_fn, self._options, self._compile)
+        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque,
+                       measure=ExactReplay(model, a, self._loss_fn))
+        return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
     def forward(self, *args, **kwargs):
         model = self._model[0]
@@ -167,7 +177,7 @@ class RematModule(torch.nn.Module):
 
 
 def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
-    """A plan for the compiled step (runtime.compiled): plain regions only (a SAC policy cannot be
+    """A plan for the compiled step (runtime.rewrite.compiled): plain regions only (a SAC policy cannot be
     compiled into the graph), each plan tried measured compiled; (plan, compiled graph, Traced)."""
     replay = CompiledReplay(model, a, loss_fn, compile_kwargs)
     options = replace(options, solve=replace(options.solve, sac=False))
@@ -175,10 +185,12 @@ def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
     return p, replay.module(p.regions), a.traced
 
 
-def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=None, example_kwargs=None,
+def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,
                   loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
                   compile: bool | dict = False) -> RematModule:
-    """Wrap `model` so that one training step fits `budget_gb` (10^9 bytes) at the least recompute.
+    """Wrap `model` so that one training step fits `budget` at the least recompute: a number of GB
+    (10^9 bytes) or a string as the CLI takes it ('24GB', '8GiB', '500MB', or '40%' of the step's
+    unplanned peak, resolved per input shape).
 
     With example inputs the plan is made now (errors surface here); without, at the first call.
     The budget covers parameters, gradients, inputs, activations and the loss: pass `loss_fn`
@@ -197,7 +209,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb: float, *, example_inputs=No
     ((), True)
     """
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
-    wrapped = RematModule(model, budget_to_bytes(budget_gb), loss_fn, options, compile_kwargs)
+    wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs)
     if example_inputs is not None or example_kwargs is not None:
         wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
     return wrapped

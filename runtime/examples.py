@@ -25,13 +25,13 @@ class Example(NamedTuple):
 
 
 @contextmanager
-def _seeded(seed: int):
+def seeded(seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
 
 
-def _cross_entropy(targets: torch.Tensor) -> Callable:
+def cross_entropy(targets: torch.Tensor) -> Callable:
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.to(logits.device).reshape(-1))
 
@@ -105,17 +105,17 @@ class GPT2(nn.Module):
 
 def gpt2(*, n_layer=4, d_model=128, n_head=4, seq_len=128, batch=4, vocab=1024, dropout=0.1, seed=0) -> Example:
     """GPT-2 style pre-LN decoder with tied lm_head; input token ids (batch, seq_len), output logits."""
-    with _seeded(seed):
+    with seeded(seed):
         model = GPT2(n_layer, d_model, n_head, seq_len, vocab, dropout).train()
         idx = torch.randint(vocab, (batch, seq_len))
         targets = torch.randint(vocab, (batch, seq_len))
-    return Example(model, (idx,), _cross_entropy(targets))
+    return Example(model, (idx,), cross_entropy(targets))
 
 
 # ---------------------------------------------------------------------------- mlp
 def mlp(*, depth=8, width=512, batch=1024, in_features=256, n_classes=10, seed=0) -> Example:
     """Chain of ``depth`` Linear -> LayerNorm -> GELU blocks plus a classifier head."""
-    with _seeded(seed):
+    with seeded(seed):
         blocks = nn.Sequential(*(
             nn.Sequential(nn.Linear(in_features if i == 0 else width, width), nn.LayerNorm(width), nn.GELU())
             for i in range(depth)
@@ -123,7 +123,7 @@ def mlp(*, depth=8, width=512, batch=1024, in_features=256, n_classes=10, seed=0
         model = nn.Sequential(OrderedDict(blocks=blocks, head=nn.Linear(width, n_classes))).train()
         x = torch.randn(batch, in_features)
         targets = torch.randint(n_classes, (batch,))
-    return Example(model, (x,), _cross_entropy(targets))
+    return Example(model, (x,), cross_entropy(targets))
 
 
 # ------------------------------------------------------------------------- resnet
@@ -148,7 +148,7 @@ class BasicBlock(nn.Module):
 
 def resnet(*, blocks=(2, 2, 2), width=32, image=32, batch=8, n_classes=10, seed=0) -> Example:
     """ResNet-style CNN of BasicBlock stages (channels double, stride 2 after the first stage)."""
-    with _seeded(seed):
+    with seeded(seed):
         layers, c = OrderedDict(stem=_conv_bn(3, width, 3), relu=nn.ReLU()), width
         for i, n in enumerate(blocks):
             c_out = width * 2**i
@@ -158,7 +158,7 @@ def resnet(*, blocks=(2, 2, 2), width=32, image=32, batch=8, n_classes=10, seed=
         model = nn.Sequential(layers).train()
         x = torch.randn(batch, 3, image, image)
         targets = torch.randint(n_classes, (batch,))
-    return Example(model, (x,), _cross_entropy(targets))
+    return Example(model, (x,), cross_entropy(targets))
 
 
 # --------------------------------------------------------------------------- unet
@@ -191,7 +191,7 @@ class UNet(nn.Module):
 
 def unet(*, depth=3, width=16, image=64, batch=4, seed=0) -> Example:
     """U-Net with ``depth`` encoder levels, ConvTranspose2d upsampling and concatenated skips."""
-    with _seeded(seed):
+    with seeded(seed):
         model = UNet(depth, width).train()
         x = torch.randn(batch, 3, image, image)
         target = torch.randn(batch, 1, image, image)

@@ -16,16 +16,18 @@ from typing import Callable
 
 import torch
 
-from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, budget_to_bytes
+from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze
+from planner.budget import as_budget, size_text
+from planner.fit import unplanned_peak_bytes
 from planner.result import Plan
 
-from .budget import size_text
-from .session import Loaded, measure_peak_bytes, solve_budget, split_inputs
+from .cli.session import Loaded, measure_peak_bytes, solve_budget, split_inputs
 
 
-def assert_fits(model: torch.nn.Module, inputs, budget_gb: float, loss_fn: Callable | None = None,
+def assert_fits(model: torch.nn.Module, inputs, budget_gb, loss_fn: Callable | None = None,
                 measure: bool = False, *, time_limit_s: float = 10.0) -> Plan:
-    """The Plan that fits one training step of `model(*inputs)` into `budget_gb` (10^9 bytes).
+    """The Plan that fits one training step of `model(*inputs)` into `budget_gb`: a number of GB
+    (10^9 bytes) or a string ('24GB', '8GiB', '40%' of the unplanned peak).
 
     `inputs` is a tuple (positional), a dict (keyword) or one tensor; `loss_fn(output) -> scalar`
     is optional (without it room is kept for a loss holding one tensor of the output's size).
@@ -34,18 +36,20 @@ def assert_fits(model: torch.nn.Module, inputs, budget_gb: float, loss_fn: Calla
     Raises AssertionError (one line, with the smallest feasible budget) when it does not fit;
     ValueError or TypeError for bad arguments; the planner's errors when the model cannot be traced.
     """
-    budget_bytes = budget_to_bytes(budget_gb)
+    budget = as_budget(budget_gb)
     args, kwargs = split_inputs(inputs)
     loaded = Loaded(model, args, kwargs, loss_fn, type(model).__name__)
     analysis = analyze(model, args, kwargs, loss_fn)
     options = PlanOptions(solve=SolveOptions(time_limit_s=time_limit_s))
+    budget_bytes = budget.bytes_of(unplanned_peak_bytes(analysis.cost_graph, options))
     try:
         plan = solve_budget(loaded, analysis, budget_bytes, options)
     except InfeasibleBudgetError as e:
-        raise AssertionError(f"{loaded.label} does not fit: {e}") from None
+        raise AssertionError(f"{loaded.label} does not fit: {e.in_unit(budget.unit)}") from None
     if measure:
         measured_bytes = measure_peak_bytes(loaded, analysis, plan)
         if measured_bytes > budget_bytes:
             raise AssertionError(f"{loaded.label}: measured peak {size_text(measured_bytes)} is over the budget "
-                                 f"{size_text(budget_bytes)} (predicted {size_text(plan.predicted_peak_bytes)})")
+                                 f"{size_text(budget_bytes, budget.unit)} (predicted "
+                                 f"{size_text(plan.predicted_peak_bytes, budget.unit)})")
     return plan

@@ -186,8 +186,8 @@ _ZOO: dict[str, Planned] = {}
 
 @pytest.fixture(scope="session")
 def zoo_case():
-    """runtime.zoo models, each planned once per budget for the whole session (test_zoo, test_accuracy)."""
-    from runtime.zoo import ZOO
+    """benchmarks/zoo_models.py models, each planned once per budget for the whole session (test_zoo, test_accuracy)."""
+    from benchmarks.zoo_models import ZOO
 
     def get(name: str) -> Planned:
         if name not in _ZOO:

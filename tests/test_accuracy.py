@@ -1,6 +1,6 @@
 """Trust: what remat promises is what a real training step measures.
 
-Accuracy contract: for every built-in (runtime.examples) and zoo (runtime.zoo) model, at every
+Accuracy contract: for every built-in (runtime.examples) and zoo (benchmarks/zoo_models.py) model, at every
 budget the tests plan at, and unplanned,
     measured peak <= predicted peak <= 1.05 * measured peak,
 predicted = the plan's `predicted_peak_bytes`, measured = runtime.measure.peak_memory of one real
@@ -27,7 +27,7 @@ from planner.baselines import every_block
 from planner.result import Plan
 from runtime.examples import EXAMPLES
 from runtime.rewrite import rewrite
-from runtime.zoo import ZOO
+from benchmarks.zoo_models import ZOO
 
 from conftest import UNPLANNED, Planned, measured_peak
 
@@ -116,7 +116,7 @@ def every_block_peak(model, example) -> int:
     a = analyze(model, example.inputs, example.kwargs, example.loss_fn)
     regions = every_block(a.cost_graph)
     assert regions, "the model has repeated blocks"
-    gm = rewrite(model, a.traced.gm, Plan.of_regions(regions, tuple(c.name for c in a.cost_graph.nodes)))
+    gm = rewrite(model, a.traced.gm, regions, tuple(c.name for c in a.cost_graph.nodes))
     return measured_peak(_Graph(model, gm, a.traced), example)
 
 

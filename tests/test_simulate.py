@@ -9,8 +9,8 @@ from conftest import ilp_peaks_of_random_plans
 from planner import solve_plan
 from planner.candidates import candidates
 from planner.simulate import timeline
-from runtime.rewrite import rewrite
-from runtime.verify import dry_run_peak
+from runtime.rewrite import rewrite, rewrite_plan
+from runtime.measure import dry_run_peak
 
 
 def random_plans(cg, n: int, seed: int):
@@ -33,7 +33,7 @@ def test_simulated_peak_bounds_the_exact_replay(case, name):
     a, ex = c.analysis, c.example
     skeleton = solve_plan(a.cost_graph, 10**15)
     for regions in random_plans(a.cost_graph, 8, seed=0):
-        gm = rewrite(ex.model, a.traced.gm, replace(skeleton, regions=regions))
+        gm = rewrite(ex.model, a.traced.gm, regions, skeleton.node_names, a.cost_graph.meta)
         replayed = dry_run_peak(gm, a.example_inputs, ex.loss_fn)
         simulated = timeline(a.cost_graph, regions).peak_bytes
         assert simulated * 1.01 >= replayed, f"{regions}: simulated {simulated} < replayed {replayed}"
@@ -42,7 +42,7 @@ def test_simulated_peak_bounds_the_exact_replay(case, name):
 def test_exact_replay_of_the_unplanned_step_equals_the_profile(case):
     c = case("gpt2")
     a, ex = c.analysis, c.example
-    gm = rewrite(ex.model, a.traced.gm, solve_plan(a.cost_graph, 10**15))
+    gm = rewrite_plan(ex.model, a.traced.gm, solve_plan(a.cost_graph, 10**15))
     assert dry_run_peak(gm, a.example_inputs, ex.loss_fn) == timeline(a.cost_graph, ()).peak_bytes
 
 

@@ -160,7 +160,7 @@ def _one_region(model, inputs):
     from runtime.rewrite import rewrite
     a = analyze(model, inputs, None, None)
     names = tuple(c.name for c in a.cost_graph.nodes)
-    gm = rewrite(model, a.traced.gm, Plan.of_regions((Region(0, len(names) - 2),), names, a.cost_graph.meta))
+    gm = rewrite(model, a.traced.gm, (Region(0, len(names) - 2),), names, a.cost_graph.meta)
     return gm.train()
 
 
@@ -305,10 +305,9 @@ def test_opaque_modules_are_never_kept_by_a_sac_region():
     assert opaque and cg.nodes[opaque[0]].flops > 0
     assert not any(sac_keepable(cg)[i] for i in opaque)
     names = tuple(c.name for c in cg.nodes)
-    plan = Plan.of_regions((Region(0, len(names) - 2, tuple(opaque)),), names, cg.meta)
-    plan = type(plan)(**{**plan.__dict__, "opaque": a.traced.opaque})
     with pytest.raises(UnsafePlanError):
-        rewrite(model, a.traced.gm, plan)
+        rewrite(model, a.traced.gm, (Region(0, len(names) - 2, tuple(opaque)),), names, cg.meta,
+                tuple(m for m, _ in a.traced.opaque))
 
 
 def test_planning_leaves_every_rng_as_it_found_it(monkeypatch):

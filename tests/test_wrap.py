@@ -103,7 +103,7 @@ def test_nodes_that_draw_random_numbers_are_never_kept():
         ref, model = _Attention(0.2), _Attention(0.2)
         model.load_state_dict(ref.state_dict())
         traced = capture(model, (x,), {})
-        gm = rewrite(model, traced.gm, Plan.of_regions((Region(0, n - 1, saved),), tuple(c.name for c in cg.nodes)))
+        gm = rewrite(model, traced.gm, (Region(0, n - 1, saved),), tuple(c.name for c in cg.nodes))
         torch.manual_seed(3)
         ref(x).pow(2).sum().backward()
         torch.manual_seed(3)

@@ -1,4 +1,4 @@
-"""Real architectures (runtime.zoo): every one plans, trains exactly like the original, and fits.
+"""Real architectures (benchmarks/zoo_models.py): every one plans, trains exactly like the original, and fits.
 
 One test per architecture at 50% of its activation memory (benchmarks/zoo.py prints the same
 rows as the README's table; the plans are conftest's session-cached `zoo_case`, which
@@ -14,7 +14,7 @@ import torch
 
 from runtime import plan_and_wrap
 from runtime.measure import peak_memory, preserved
-from runtime.zoo import ZOO
+from benchmarks.zoo_models import ZOO
 
 from conftest import FAST, max_diff, planned_step, step as _step
 

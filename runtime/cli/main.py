@@ -2,8 +2,8 @@
 the budget / recompute trade-off.
 
 MODEL is a built-in example (gpt2, mlp, resnet, unet), `path/to/file.py:factory` or
-`package.module:factory`. The factory takes no arguments and returns `(model, inputs)` or
-`(model, inputs, loss_fn)`, where inputs is a tuple (positional), a dict (keyword) or one tensor.
+`package.module:factory` (runtime/cli/session.py says what a factory returns;
+docs/example_model.py is one, benchmarks/zoo_models.py has real architectures).
 Exit codes: 0 fits (report, check) or sweep done, 1 does not fit (or over the overhead cap),
 2 usage or model errors. Progress goes to stderr; `--quiet` and `--json` keep it off.
 See docs/CLI.md.
@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Callable
 
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions
+from planner.errors import BudgetError
 from planner.result import Plan
 from planner.simulate import timeline
 
 from . import plots
-from .budget import UsageError, parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
+from planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
+
 from .report import report_text, segments, table
-from .session import (Loaded, load_model, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
+from .session import (Loaded, UsageError, load_model, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
                       solve_budget, unplanned_peak_bytes)
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
@@ -73,20 +75,17 @@ def _options(a) -> PlanOptions:
     return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)))
 
 
-def _budget_text(text: str, budget: tuple[str, float]) -> str:
-    return f"{budget[1] * 100:g}% of the unplanned peak" if budget[0] == "fraction" else text.strip()
-
-
 def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     budget = parse_budget(a.budget)
     loaded = load_model(a.model)
     analysis = profile_model(loaded, say)
     budget_bytes = to_bytes(budget, unplanned_peak_bytes(analysis.cost_graph, _options(a)))
-    say(f"solving for {size_text(budget_bytes)} ({_budget_text(a.budget, budget)}) ...")
+    say(f"solving for {size_text(budget_bytes, budget.unit)} ({budget.text()}) ...")
     return loaded, analysis, budget_bytes
 
 
 def _does_not_fit(a, e: InfeasibleBudgetError, label: str) -> None:
+    e = e.in_unit(parse_budget(a.budget).unit)           # the floor in the unit the budget was written in
     print(_json({"fits": False, "model": label, "budget_bytes": e.budget_bytes,
                  "min_feasible_bytes": e.min_feasible_bytes, "reason": str(e)})
           if a.json else f"FAIL: does not fit: {e}")
@@ -115,7 +114,7 @@ def cmd_report(a, say) -> int:
         print(_json({"fits": True, "model": loaded.label, "plan": asdict(plan),
                      "segments": [asdict(s) for s in segs]}))
     else:
-        print(report_text(plan, segs, loaded.label, _budget_text(a.budget, parse_budget(a.budget))))
+        print(report_text(plan, segs, loaded.label, parse_budget(a.budget).text()))
     return 0
 
 
@@ -335,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         return {"report": cmd_report, "check": cmd_check, "sweep": cmd_sweep}[a.command](a, say)
-    except UsageError as e:
+    except (UsageError, BudgetError) as e:
         print(f"remat: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from planner.errors import UnsafePlanError
 from planner.profile import compute_nodes, draws_random
-from planner.result import Plan
+from planner.result import Plan, Region
 
 _SAVE = threading.local()
 
@@ -216,26 +216,36 @@ def _region_state(gm: fx.GraphModule, nodes: list[fx.Node], rewind) -> list[tupl
     return out
 
 
-def _rewind_rule(plan: Plan):
+def _rewind_rule(meta: dict):
     """Which buffers a region's recompute rewinds: those the profile saw the step write
-    (`mutated_buffers` in the plan's meta); every buffer of the region when the plan does not say."""
-    mutated = plan.meta.get("mutated_buffers")
+    (`mutated_buffers` in the CostGraph's meta); every buffer of the region when it does not say."""
+    mutated = meta.get("mutated_buffers")
     return (lambda name: True) if mutated is None else frozenset(mutated).__contains__
 
 
-def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """A GraphModule computing what `gm` (traced from `model`) does, with the plan's regions
-    checkpointed. Parameters, buffers and submodules are `model`'s own objects, by the same names.
+def rewrite_plan(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """`rewrite` with a Plan's regions, node names, meta and opaque modules."""
+    return rewrite(model, gm, plan.regions, plan.node_names, plan.meta, tuple(m for m, _ in plan.opaque))
+
+
+def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, ...], node_names: tuple[str, ...],
+            meta: dict | None = None, opaque: tuple[str, ...] = ()) -> fx.GraphModule:
+    """A GraphModule computing what `gm` (traced from `model`) does, with `regions` (over the
+    CostGraph's nodes, named `node_names`) checkpointed. `meta` is the CostGraph's (which buffers
+    the step writes, which custom ops are deterministic); `opaque`, the modules stood in for.
+    Parameters, buffers and submodules are `model`'s own objects, by the same names.
     """
+    meta = meta or {}
+    regions = tuple(regions)
     nodes = compute_nodes(gm)
     names = [n.name for n in nodes]
-    if list(plan.node_names[:len(names)]) != names:
+    if list(node_names[:len(names)]) != names:
         raise ValueError("plan does not match this graph (was it made for another model or input shape?)")
-    region_at = {r.start: (k, r) for k, r in enumerate(plan.regions)}
-    rewind = _rewind_rule(plan)
+    region_at = {r.start: (k, r) for k, r in enumerate(regions)}
+    rewind = _rewind_rule(meta)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    regions: dict[str, CheckpointRegion] = {}
+    region_modules: dict[str, CheckpointRegion] = {}
     skip_until = -1
     index = {n: i for i, n in enumerate(nodes)}
     for n in gm.graph.nodes:
@@ -253,10 +263,10 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
             buffer_args = tuple(j for j, a in enumerate(inputs) if a.op == "get_attr"
                                 and id(functools.reduce(getattr, a.target.split("."), gm)) in buffers)
             rewound = tuple(j for j in buffer_args if rewind(inputs[j].target))
-            _refuse_opaque_kept(plan, body, saved)
-            regions[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved),
+            _refuse_opaque_kept(opaque, body, saved)
+            region_modules[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved),
                                              _region_state(gm, body, rewind), buffer_args, rewound,
-                                             frozenset(plan.meta.get("deterministic_ops", ())))
+                                             frozenset(meta.get("deterministic_ops", ())))
             for a in inputs:
                 if a.op == "get_attr" and a not in env:
                     env[a] = graph.get_attr(a.target)
@@ -268,26 +278,25 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphM
         if n not in env:
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.lint()
-    root: dict = dict(regions)
+    root: dict = dict(region_modules)
     for n in graph.nodes:
         if n.op in ("call_module", "get_attr") and n.target not in root:
             root[n.target] = functools.reduce(getattr, n.target.split("."), gm)
     out = fx.GraphModule(root, graph, type(model).__name__ + "Remat")
     adopt(out, model)
-    for name, mod in regions.items():
+    for name, mod in region_modules.items():
         out.add_module(name, mod)
     for name, mod in gm.named_children():      # graph-only modules (torch.export's output Unflatten)
         if not hasattr(out, name):
             out.add_module(name, mod)
     out.train(model.training)
-    _check(out, plan)
+    _check(out, regions, node_names)
     return out
 
 
-def _refuse_opaque_kept(plan: Plan, body: list[fx.Node], saved: set[str]) -> None:
+def _refuse_opaque_kept(opaque: tuple[str, ...], body: list[fx.Node], saved: set[str]) -> None:
     """A SAC region must not keep an opaque module: its policy would cache every op inside it,
     which the memory model (the module's stand-in) does not hold. The planner never does."""
-    opaque = {m for m, _ in plan.opaque}
     for n in body:
         if n.name in saved and n.op == "call_module" and n.target in opaque:
             raise UnsafePlanError(f"the plan keeps node {n.name!r}, the opaque module {n.target!r}: a SAC policy "
@@ -306,9 +315,9 @@ def adopt(out: fx.GraphModule, model: torch.nn.Module) -> None:
         out.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
 
 
-def _check(out: fx.GraphModule, plan: Plan) -> None:
-    """The rewritten graph has one region module per plan region, each with the plan's nodes."""
+def _check(out: fx.GraphModule, regions: tuple[Region, ...], node_names: tuple[str, ...]) -> None:
+    """The rewritten graph has one region module per region, each with the region's nodes."""
     calls = [n.target for n in out.graph.nodes if n.op == "call_module" and n.target.startswith("remat_region_")]
-    assert len(calls) == len(plan.regions), "rewrite lost a region"
-    for name, r in zip(calls, plan.regions):
-        assert getattr(out, name).node_names == list(plan.node_names[r.start:r.end + 1])
+    assert len(calls) == len(regions), "rewrite lost a region"
+    for name, r in zip(calls, regions):
+        assert getattr(out, name).node_names == list(node_names[r.start:r.end + 1])

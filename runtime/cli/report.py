@@ -10,7 +10,7 @@ from planner import CostGraph, PlanOptions
 from planner.result import Plan, Region
 from planner.simulate import keep_release, region_index, region_recompute, timeline
 
-from .budget import size_text
+from planner.budget import size_text
 
 
 @dataclass(frozen=True)

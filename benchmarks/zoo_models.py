@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.examples import Example, _cross_entropy, _seeded, unet
+from runtime.examples import Example, cross_entropy, seeded, unet
 
 
 # ------------------------------------------------------------------ Hugging Face
@@ -49,7 +49,7 @@ def _hf_loss(out) -> torch.Tensor:
 
 def hf_gpt2(*, n_layer=4, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, dropout=0.1, attn="sdpa", seed=0):
     """GPT2LMHeadModel (lm_head tied to wte); kwargs input_ids, attention_mask, labels."""
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "GPT2LMHeadModel", "GPT2Config", attn, n_layer=n_layer, n_embd=d_model, n_head=n_head,
             vocab_size=vocab, n_positions=128, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
@@ -63,7 +63,7 @@ def hf_gpt2(*, n_layer=4, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64
 def hf_bert(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, dropout=0.1, attn="sdpa", seed=0):
     """BertForMaskedLM with 15% of tokens masked; labels are -100 except on masked positions."""
     mask_id = 3
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "BertForMaskedLM", "BertConfig", attn, num_hidden_layers=n_layer, hidden_size=d_model,
             num_attention_heads=n_head, intermediate_size=2 * d_model, vocab_size=vocab, max_position_embeddings=128,
@@ -80,7 +80,7 @@ def hf_bert(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64
 def hf_llama(*, n_layer=2, d_model=128, n_head=4, n_kv_head=2, vocab=1024, batch=4, seq_len=64, dropout=0.1,
              attn="sdpa", seed=0):
     """LlamaForCausalLM with GQA (4 query / 2 key-value heads), RoPE, SwiGLU, attention dropout."""
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "LlamaForCausalLM", "LlamaConfig", attn, num_hidden_layers=n_layer, hidden_size=d_model,
             intermediate_size=2 * d_model, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
@@ -93,7 +93,7 @@ def hf_llama(*, n_layer=2, d_model=128, n_head=4, n_kv_head=2, vocab=1024, batch
 def hf_t5(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, tgt_len=32, dropout=0.1,
           attn="sdpa", seed=0):
     """T5ForConditionalGeneration; decoder inputs are derived from labels (shifted right)."""
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "T5ForConditionalGeneration", "T5Config", attn, num_layers=n_layer, num_decoder_layers=n_layer,
             d_model=d_model, d_kv=d_model // n_head, d_ff=2 * d_model, num_heads=n_head, vocab_size=vocab,
@@ -107,7 +107,7 @@ def hf_t5(*, n_layer=2, d_model=128, n_head=4, vocab=1024, batch=4, seq_len=64, 
 def hf_vit(*, n_layer=4, d_model=128, n_head=4, image=32, patch=8, n_classes=10, batch=8, dropout=0.1,
            attn="sdpa", seed=0):
     """ViTForImageClassification on 32x32 images with 8x8 patches; kwargs pixel_values, labels."""
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "ViTForImageClassification", "ViTConfig", attn, num_hidden_layers=n_layer, hidden_size=d_model,
             num_attention_heads=n_head, intermediate_size=2 * d_model, image_size=image, patch_size=patch,
@@ -126,7 +126,7 @@ def hf_moe(*, n_layer=4, d_model=128, n_head=4, n_kv_head=2, n_experts=4, top_k=
     "batched_mm", or "eager" (a Python loop over the experts hit, with data-dependent shapes).
     """
     extra = {} if experts is None else dict(experts_implementation=experts)
-    with _seeded(seed):
+    with seeded(seed):
         model = _hf_model(
             "MixtralForCausalLM", "MixtralConfig", attn, num_hidden_layers=n_layer, hidden_size=d_model,
             intermediate_size=2 * d_model, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
@@ -160,12 +160,12 @@ class Seq2SeqTransformer(nn.Module):
 
 def transformer(*, vocab=512, d_model=64, nhead=4, n_layer=2, batch=8, src_len=32, tgt_len=32, dropout=0.1, seed=0):
     """nn.Transformer encoder-decoder (2+2 layers) with a causal target mask built in forward; inputs (src, tgt)."""
-    with _seeded(seed):
+    with seeded(seed):
         model = Seq2SeqTransformer(vocab, d_model, nhead, n_layer, max(src_len, tgt_len), dropout).train()
         src = torch.randint(vocab, (batch, src_len))
         tgt = torch.randint(vocab, (batch, tgt_len))
         targets = torch.randint(vocab, (batch, tgt_len))
-    return Example(model, (src, tgt), _cross_entropy(targets))
+    return Example(model, (src, tgt), cross_entropy(targets))
 
 
 class LSTMLM(nn.Module):
@@ -183,11 +183,11 @@ class LSTMLM(nn.Module):
 
 def lstm_lm(*, vocab=1024, d_embed=64, d_hidden=128, n_layer=2, batch=8, seq_len=32, dropout=0.1, seed=0):
     """Embedding -> 2-layer nn.LSTM (inter-layer dropout) -> Linear language model."""
-    with _seeded(seed):
+    with seeded(seed):
         model = LSTMLM(vocab, d_embed, d_hidden, n_layer, dropout).train()
         idx = torch.randint(vocab, (batch, seq_len))
         targets = torch.randint(vocab, (batch, seq_len))
-    return Example(model, (idx,), _cross_entropy(targets))
+    return Example(model, (idx,), cross_entropy(targets))
 
 
 class Refine(nn.Module):
@@ -211,7 +211,7 @@ class Refine(nn.Module):
 
 def dyn_loop(*, width=128, in_features=64, n_classes=10, batch=64, tol=0.25, seed=0) -> Example:
     """Traceable Linear/LayerNorm/GELU layers around a value-dependent while loop (3 of at most 4 trips at seed 0)."""
-    with _seeded(seed):
+    with seeded(seed):
         model = nn.Sequential(
             nn.Linear(in_features, width), nn.LayerNorm(width), nn.GELU(),
             Refine(width, tol),
@@ -219,7 +219,7 @@ def dyn_loop(*, width=128, in_features=64, n_classes=10, batch=64, tol=0.25, see
         ).train()
         x = torch.randn(batch, in_features)
         targets = torch.randint(n_classes, (batch,))
-    return Example(model, (x,), _cross_entropy(targets))
+    return Example(model, (x,), cross_entropy(targets))
 
 
 class EarlyExit(nn.Module):
@@ -248,11 +248,11 @@ class EarlyExit(nn.Module):
 
 def early_exit(*, width=128, in_features=64, depth=6, n_classes=10, batch=256, tol=0.05, seed=0) -> Example:
     """Residual MLP stack whose top-level forward exits early on a value-dependent test (module-tree path)."""
-    with _seeded(seed):
+    with seeded(seed):
         model = EarlyExit(in_features, width, depth, n_classes, tol).train()
         x = torch.randn(batch, in_features)
         targets = torch.randint(n_classes, (batch,))
-    return Example(model, (x,), _cross_entropy(targets))
+    return Example(model, (x,), cross_entropy(targets))
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -300,11 +300,11 @@ class LayerDropNet(nn.Module):
 
 def layerdrop(*, vocab=512, width=64, n_head=4, batch=8, seq_len=32, p=0.2, dropout=0.1, seed=0) -> Example:
     """Residual attention/MLP stack: 4 blocks with layer drop (``torch.rand(()) < p`` branch), 2 with drop path."""
-    with _seeded(seed):
+    with seeded(seed):
         model = LayerDropNet(vocab, width, n_head, p, dropout).train()
         idx = torch.randint(vocab, (batch, seq_len))
         targets = torch.randint(vocab, (batch, seq_len))
-    return Example(model, (idx,), _cross_entropy(targets))
+    return Example(model, (idx,), cross_entropy(targets))
 
 
 ZOO: dict[str, Callable[..., Example]] = {

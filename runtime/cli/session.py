@@ -1,10 +1,11 @@
 """A model under planning, from loading to real steps: the library code the CLI and
 `runtime.testing` build on.
 
-MODEL is a built-in example (gpt2, mlp, resnet, unet), a zoo model (runtime.zoo: hf-llama, ...),
-`path/to/file.py:factory` or
-`package.module:factory`. The factory takes no arguments and returns `(model, inputs)` or
-`(model, inputs, loss_fn)`, where inputs is a tuple (positional), a dict (keyword) or one tensor.
+MODEL is a built-in example (gpt2, mlp, resnet, unet), `path/to/file.py:factory` or
+`package.module:factory`. The factory takes no arguments and returns `(model, inputs)`,
+`(model, inputs, loss_fn)` or `(model, args, loss_fn, kwargs)` (a runtime.examples.Example),
+where inputs is a tuple (positional), a dict (keyword) or one tensor. docs/example_model.py is one;
+benchmarks/zoo_models.py has the real architectures (`benchmarks/zoo_models.py:hf_llama`).
 Here: load it (`load_model`), profile it on fake tensors and solve for a budget (`profile_model`,
 `solve_budget`), and run real training steps under a plan to measure their peak and extra time
 (`measure_peak_bytes`, `measure_extra_pct`). Errors from the user's code become one-line
@@ -25,15 +26,18 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
+from planner.errors import BudgetError
+from planner.fit import unplanned_peak_bytes
 from planner.result import Plan
 
-from . import examples, zoo
-from .api import exact_replay
-from .compiled import CompiledReplay
-from .budget import UsageError
-from .measure import peak_memory, preserved
-from .rewrite import rewrite
-from .verify import training_loss
+from .. import examples
+from ..api import ExactReplay
+from ..measure import peak_memory, preserved, training_loss
+from ..rewrite import CompiledReplay, rewrite_plan
+
+
+class UsageError(Exception):
+    """Bad command-line input: exit code 2, one line, no traceback."""
 
 
 class ModelError(UsageError):
@@ -78,24 +82,22 @@ def load_model(spec: str | None) -> Loaded:
         name = spec or "gpt2"
         ex = examples.EXAMPLES[name]()
         return Loaded(ex.model, ex.inputs, {}, ex.loss_fn, f"built-in {name}")
-    if spec in zoo.ZOO:
-        with model_code(f"cannot build {spec!r} (the hf-* models need `pip install -e '.[hf]'`)"):
-            ex = zoo.ZOO[spec]()
-        return Loaded(ex.model, ex.inputs, ex.kwargs or {}, ex.loss_fn, f"zoo {spec}")
     if ":" not in spec:
-        raise UsageError(f"MODEL {spec!r}: use a built-in ({', '.join(examples.EXAMPLES)}), a zoo model "
-                         f"({', '.join(zoo.ZOO)}), path/to/file.py:factory or package.module:factory")
+        raise UsageError(f"MODEL {spec!r}: use a built-in ({', '.join(examples.EXAMPLES)}), "
+                         "path/to/file.py:factory or package.module:factory (e.g. docs/example_model.py:make)")
     where, factory_name = spec.rsplit(":", 1)
     with model_code(f"cannot load {spec!r}"):
         factory = getattr(_import(where), factory_name)
     with model_code(f"factory {spec!r} raised"):
         made = factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise ModelError(f"factory {spec!r} must return (model, inputs) or (model, inputs, loss_fn), "
-                         f"not {type(made).__name__}")
+    if not isinstance(made, tuple) or len(made) not in (2, 3, 4):
+        raise ModelError(f"factory {spec!r} must return (model, inputs), (model, inputs, loss_fn) or "
+                         f"(model, args, loss_fn, kwargs), not {type(made).__name__}")
     with model_code(f"factory {spec!r}"):
         args, kwargs = split_inputs(made[1])
-    return Loaded(made[0], args, kwargs, made[2] if len(made) == 3 else None, spec)
+        if len(made) == 4 and made[3]:
+            kwargs = {**kwargs, **dict(made[3])}
+    return Loaded(made[0], args, kwargs, made[2] if len(made) >= 3 else None, spec)
 
 
 @contextmanager
@@ -103,7 +105,7 @@ def model_code(what: str):
     """Errors from the user's code (or from running it) become one-line ModelErrors."""
     try:
         yield
-    except (UsageError, InfeasibleBudgetError):
+    except (UsageError, InfeasibleBudgetError, BudgetError):
         raise
     except Exception as e:
         first_line = next((line for line in str(e).splitlines() if line.strip()), "")
@@ -122,20 +124,16 @@ def profile_model(loaded: Loaded, say) -> Analysis:
     return analysis
 
 
-def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions) -> int:
-    return solve_plan(cg, 10**18, options).unplanned_peak_bytes
-
-
 def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions,
                  compiled: bool = False) -> Plan:
     """The least-recompute plan for the budget, every candidate replayed exactly on fake tensors
     (with opaque modules, the larger of that and the simulator) or, `compiled`, compiled and run
-    for real (runtime.compiled; plain regions only). Raises InfeasibleBudgetError."""
+    for real (runtime.rewrite.compiled; plain regions only). Raises InfeasibleBudgetError."""
     if compiled:
         options = replace(options, solve=replace(options.solve, sac=False))
         measure = CompiledReplay(loaded.model, analysis, loaded.loss_fn, {})
     else:
-        measure = exact_replay(loaded.model, analysis, loaded.loss_fn)
+        measure = ExactReplay(loaded.model, analysis, loaded.loss_fn)
     return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque, measure=measure)
 
 
@@ -149,7 +147,7 @@ def _forward_fn(loaded: Loaded, analysis: Analysis, plan: Plan | None) -> Callab
     """The model's forward, or the plan's rewritten forward, on the example inputs."""
     if plan is None or not plan.regions:
         return lambda: loaded.model(*loaded.args, **loaded.kwargs)
-    gm = rewrite(loaded.model, analysis.traced.gm, plan)
+    gm = rewrite_plan(loaded.model, analysis.traced.gm, plan)
     return lambda: gm(**analysis.example_inputs)
 
 

@@ -14,15 +14,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from planner import PlanOptions
+from planner.budget import Budget
 from planner.errors import InfeasibleBudgetError
-from planner.api import replay_margin
+from planner.fit import replay_margin
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
 from planner.state import training_modes
 
-from .measure import peak_memory, preserved
-from .rewrite import rewinding
-from .verify import training_loss
+from ..measure import peak_memory, preserved, training_loss
+from .graph import rewinding
 
 PATH = "module tree"
 
@@ -60,15 +60,20 @@ def measure_step(model, args, kwargs, loss_fn, names) -> int:
         return peak_memory(step, model, *args, *kwargs.values())
 
 
-def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, options: PlanOptions,
+def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget, options: PlanOptions,
                  why: str) -> Plan:
     """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
-    the modes of the training step (planner.state)."""
+    the modes of the training step (planner.state). `budget`: bytes or a planner.budget.Budget
+    (a fraction is of the measured unplanned step)."""
     with training_modes(model):
-        return _plan_modules(model, args, kwargs, loss_fn, budget_bytes, options, why)
+        return _plan_modules(model, args, kwargs, loss_fn, as_budget_bytes(budget), options, why)
 
 
-def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, options: PlanOptions,
+def as_budget_bytes(budget):
+    return budget if isinstance(budget, Budget) else Budget("bytes", float(budget))
+
+
+def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
                   why: str) -> Plan:
     t0 = time.perf_counter()
     prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
@@ -76,6 +81,7 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, 
     margin = 1.0 + replay_margin(options, next(model.parameters()).device.type)
     measure = lambda chosen: math.ceil(measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen]) * margin)  # noqa: E731
     unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
+    budget_bytes = budget.bytes_of(unplanned)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
                 forward_s=prof.forward_s, node_names=tuple(names),
                 meta={"trace_path": PATH, "trace_attempts": [["fx and torch.export", why]]},
@@ -97,7 +103,7 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget_bytes: int, 
         target -= peak - budget_bytes
     if best is None:
         if floor > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, floor)
+            raise InfeasibleBudgetError(budget_bytes, floor, "a real step with every submodule checkpointed")
         best = (tuple(range(len(names))), floor)
     chosen, peak = best
     return Plan(regions=tuple(Region(i, i) for i in chosen), predicted_peak_bytes=peak,

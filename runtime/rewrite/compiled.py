@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from planner.result import Plan
 from planner.state import training_modes
 
-from .measure import peak_memory, preserved
-from .rewrite import rewrite
-from .verify import training_loss
+from ..measure import peak_memory, preserved, training_loss
+from .graph import rewrite
 
 
 class CompiledReplay:
@@ -42,7 +40,8 @@ class CompiledReplay:
         """The compiled model rewritten with `regions` (compiled once per plan)."""
         key = tuple(regions)
         if key not in self.compiled:
-            gm = rewrite(self.model, self.analysis.traced.gm, Plan.of_regions(key, self.names, self.analysis.cost_graph.meta))
+            a = self.analysis
+            gm = rewrite(self.model, a.traced.gm, key, self.names, a.cost_graph.meta, tuple(m for m, _ in a.traced.opaque))
             self.compiled[key] = torch.compile(gm, **self.compile_kwargs)
         return self.compiled[key]
 

@@ -1,0 +1,244 @@
+"""solve_plan(): from a CostGraph and a budget to the Plan that fits it (pure, no torch).
+
+The simulator (planner/simulate.py) predicts every plan; the ILP (planner/solve.py) and the
+hand-made plans (planner/baselines.py) propose them. When the caller can also measure a plan
+exactly (a `Measure`: the rewritten step replayed on fake tensors, or the compiled step run for
+real), that measurement is the prediction, and the budget the ILP sees is corrected by it:
+NOTE [ budget correction ] below.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from .baselines import known_plans
+from .candidates import Candidate, candidates
+from .costgraph import CostGraph
+from .errors import InfeasibleBudgetError
+from .rates import DeviceRates
+from .result import Plan, Region
+from .simulate import timeline
+from .solve import SolveOptions, solve_ilp, solve_min_peak
+
+SIMULATED = "simulated only (no exact replay)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    solve: SolveOptions = field(default_factory=SolveOptions)  # ILP limits and candidate shape
+    safety_margin: float = 0.01     # a simulated prediction = simulated peak * (1 + margin)
+    # a replayed prediction (exact replay, measured steps) = replayed peak * (1 + replay_margin);
+    # None: 0 on CPU, where the replay meters what a real step's meter does, 1% on accelerators
+    # (allocator rounding, library workspaces)
+    replay_margin: float | None = None
+    find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
+    rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
+    # The step is `loss_fn(model(x)).backward()`: the output is released once the loss is computed
+    # (HF Trainer, Lightning). True if your loop holds the output through backward (`out = model(x);
+    # loss_fn(out).backward()` with `out` still referenced): its bytes are then in the budget too.
+    keep_output: bool = False
+    # ops outside torch's namespaces ("mylib::fused_mlp") that draw no random numbers; any other
+    # such op is treated as random: never kept by a SAC region
+    deterministic_ops: frozenset = frozenset()
+
+
+@runtime_checkable
+class Measure(Protocol):
+    """The exact peak of one step under a plan, for `solve_plan` (runtime.api.ExactReplay,
+    runtime.rewrite.CompiledReplay)."""
+    what: str       # how it measures: the plan's notes say so
+    eager: bool     # the simulator is exact on the unplanned step (False: compiled code it does not model)
+    rounds: int     # at most this many solves in the budget correction
+
+    def __call__(self, regions: tuple[Region, ...]) -> int: ...
+
+
+class Choice(NamedTuple):
+    """A plan chosen for an effective budget, before its numbers are filled in."""
+    regions: tuple[Region, ...]
+    solver: str              # "ilp" or a known plan's name
+    status: str
+    gap: float
+    predicted: int = 0       # bytes: measured (times the margin) or simulated (times the safety margin)
+    effective: int = 0       # the budget the ILP was given
+
+
+class _Problem(NamedTuple):
+    """What every step of the budget correction shares for one solve_plan call."""
+    cg: CostGraph
+    budget: int
+    options: PlanOptions
+    cands: list[Candidate]
+    known: dict[str, tuple[Region, ...]]   # hand-made plans (and the least-peak one)
+    peaks: dict[str, int]                  # their simulated predictions
+    measure: Measure | None
+    margin: float                          # 1 + replay margin
+
+    def predict(self, regions) -> int:
+        """The simulator's prediction: the simulated peak plus the safety margin."""
+        return math.ceil(timeline(self.cg, regions).peak_bytes * (1.0 + self.options.safety_margin))
+
+    def measured(self, regions) -> int:
+        return math.ceil(self.measure(regions) * self.margin)
+
+    @property
+    def source(self) -> str:
+        return self.measure.what if self.measure is not None else SIMULATED
+
+
+def replay_margin(options: PlanOptions, device: str) -> float:
+    """The margin added to replayed peaks (PlanOptions.replay_margin; by the device type)."""
+    if options.replay_margin is not None:
+        return options.replay_margin
+    return 0.0 if device in ("cpu", "meta") else 0.01
+
+
+def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions = PlanOptions()) -> int:
+    """The simulator's prediction of the step without checkpointing: what '40%' is a fraction of."""
+    return math.ceil(timeline(cg, ()).peak_bytes * (1.0 + options.safety_margin))
+
+
+def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOptions(),
+               opaque: tuple = (), measure: Measure | None = None) -> Plan:
+    """Least-recompute Plan whose predicted peak is at most `budget_bytes`.
+
+    `measure`, when given, replays a plan exactly; the replay is then the prediction, and the
+    budget the ILP sees is corrected by it (NOTE [ budget correction ]), also when no regions
+    seem needed. Without it the prediction is the simulator's. Raises InfeasibleBudgetError (with
+    the smallest feasible budget and the prediction it comes from) when no plan fits.
+    """
+    budget_bytes = int(budget_bytes)
+    margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
+    pb = _Problem(cg, budget_bytes, options, [], {}, {}, measure, margin)
+    unplanned = pb.predict(())
+    base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
+                node_names=tuple(c.name for c in cg.nodes),
+                total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
+    # the simulator is exact on the unplanned step, except for what it does not model (compiled code)
+    replay_unplanned = measure is not None and (unplanned <= budget_bytes or not measure.eager)
+    measured = pb.measured(()) if replay_unplanned else None
+    if unplanned <= budget_bytes and (measured is None or measured <= budget_bytes):
+        return _finish(cg, Plan(regions=(), predicted_peak_bytes=measured or unplanned, min_feasible_bytes=None,
+                                solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
+                                recompute_flops=0, recompute_s=0.0, **base))
+    t0 = time.perf_counter()
+    cands = candidates(cg, options.solve.max_cuts, options.solve.max_span, options.solve.sac)
+    # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
+    # They bound the smallest feasible budget and warm-start the ILP.
+    known = known_plans(cg, options.solve.sac)
+    if options.find_min_feasible:
+        known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
+    peaks = {name: pb.predict(r) for name, r in known.items() if r}
+    pb = pb._replace(cands=cands, known=known, peaks=peaks)
+    min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
+    try:
+        choice = _fit(pb)
+    except InfeasibleBudgetError as e:
+        raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source) from None
+    if min_feasible is not None:        # corrected as the budget was; never above a plan that fits
+        min_feasible = min(min_feasible + max(0, budget_bytes - choice.effective), choice.predicted)
+    tl = timeline(cg, choice.regions)
+    plan = _finish(cg, Plan(regions=choice.regions, predicted_peak_bytes=choice.predicted,
+                            min_feasible_bytes=min_feasible, solver=choice.solver, status=choice.status,
+                            gap=choice.gap, solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
+                            recompute_s=tl.recompute_s, **base))
+    added = margin - 1.0 if measure else options.safety_margin
+    return replace(plan, notes=plan.notes + (f"predicted peak: {pb.source}" + (f", plus {added:.0%}" if added else ""),))
+
+
+# NOTE [ budget correction ]
+# The simulator is conservative for some plans and the replay is exact, so the effective budget
+# the ILP sees is tightened when a plan replays over budget and loosened when it lands well under
+# (by more than CLOSE_ENOUGH of the budget); once one effective budget gave a plan over and
+# another one under (or none at all), the next is halfway between. It stops after
+# `Measure.rounds` solves (DEFAULT_ROUNDS without a measure), or when the next step would move
+# the effective budget by less than MIN_STEP of the budget.
+DEFAULT_ROUNDS = 4
+CLOSE_ENOUGH = 0.01
+MIN_STEP = 0.002
+ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
+
+
+def _fit(pb: _Problem) -> Choice:
+    """Solve against an effective budget, correct it by the exact replay, keep the cheapest fit."""
+    budget = pb.budget
+    best: tuple[float, Choice] | None = None
+    effective = budget
+    under = over = predicted = None      # highest effective budget to go up from, lowest to go down from
+    for _ in range(pb.measure.rounds if pb.measure is not None else DEFAULT_ROUNDS):
+        try:
+            choice = _choose(pb, effective)
+        except InfeasibleBudgetError as e:
+            if best is None and over is None:
+                return _known_or_raise(pb, effective, e.min_feasible_bytes + max(0, budget - effective))
+            go_up, step = True, 0              # no plan this tight: between here and `over`
+        else:
+            predicted = pb.predict(choice.regions) if pb.measure is None else pb.measured(choice.regions)
+            go_up, step = predicted <= budget, abs(budget - predicted)
+            if go_up:
+                cost = timeline(pb.cg, choice.regions).recompute_s
+                if best is None or cost < best[0]:
+                    best = (cost, choice._replace(predicted=predicted, effective=effective))
+                if pb.measure is None or step < CLOSE_ENOUGH * budget:
+                    break
+        if go_up:
+            under = effective if under is None else max(under, effective)
+        else:
+            over = effective if over is None else min(over, effective)
+        if under is not None and over is not None:
+            if under >= over:                  # not monotone: keep the best found
+                break
+            nxt = (under + over) // 2
+        else:
+            nxt = effective + step if go_up else effective - step
+        if abs(nxt - effective) < MIN_STEP * budget:
+            break
+        effective = nxt
+    if best is None:
+        return _known_or_raise(pb, effective, max(predicted or 0, min(pb.peaks.values(), default=predicted or 0)))
+    return best[1]
+
+
+def _known_or_raise(pb: _Problem, effective: int, estimate: int) -> Choice:
+    """No solved plan fits: a known plan that fits when replayed exactly, else InfeasibleBudgetError
+    with the smallest feasible budget: a replayed known plan's peak (a budget then met for sure),
+    or without a replay the simulator's `estimate`."""
+    replayed = {k: (r, pb.measured(r)) for k, r in pb.known.items() if r} if pb.measure is not None else {}
+    fits = [(pb.predict(r), p, k) for k, (r, p) in replayed.items() if p <= pb.budget]
+    if fits:                                   # the simulator was too cautious: take the replay
+        _, p, k = min(fits)
+        return Choice(pb.known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective)
+    floor = min((p for _, p in replayed.values()), default=estimate)
+    raise InfeasibleBudgetError(pb.budget, floor, pb.source)
+
+
+def _choose(pb: _Problem, budget_bytes: int) -> Choice:
+    """The cheapest plan whose simulated peak fits: the ILP's, or a known plan if it is cheaper."""
+    cg, known, peaks = pb.cg, pb.known, pb.peaks
+    fitting = sorted((timeline(cg, known[k]).recompute_s, k) for k, p in peaks.items() if p <= budget_bytes)
+    if pb.options.find_min_feasible and not fitting:
+        raise InfeasibleBudgetError(budget_bytes, min(peaks.values(), default=pb.predict(())), SIMULATED)
+    warm = known[fitting[0][1]] if fitting else ()
+    target = int(budget_bytes / (1.0 + pb.options.safety_margin))
+    for _ in range(ROUNDING_RESOLVES):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
+        sol = solve_ilp(cg, target, pb.options.solve, warm_start=warm, cands=pb.cands)
+        if sol is None or pb.predict(sol.regions) <= budget_bytes:
+            break
+        target -= pb.predict(sol.regions) - budget_bytes
+    ilp_ok = sol is not None and pb.predict(sol.regions) <= budget_bytes
+    if fitting and (not ilp_ok or fitting[0][0] < timeline(cg, sol.regions).recompute_s):
+        name = fitting[0][1]
+        return Choice(known[name], name, "cheaper than the best plan the ILP found within its limits", float("nan"))
+    if ilp_ok:
+        return Choice(sol.regions, "ilp", sol.status, sol.gap)
+    floor = known.get("min-peak") or solve_min_peak(cg, pb.options.solve, pb.cands).regions
+    raise InfeasibleBudgetError(budget_bytes, min([pb.predict(floor)] + list(peaks.values())), SIMULATED)
+
+
+def _finish(cg: CostGraph, p: Plan) -> Plan:
+    notes = [f"{c.name}: not recomputable ({c.why_not})" for c in cg.nodes[:-1] if not c.recomputable]
+    if cg.meta.get("loss") == "stand-in":
+        notes.append("no loss_fn given: room is reserved for a loss that keeps one tensor of the output's size")
+    return replace(p, notes=tuple(notes), meta=dict(cg.meta))
