@@ -44,7 +44,7 @@ def fits(cg: CostGraph, regions, budget: int, safety_margin: float) -> bool:
 
 def exact_row(cg: CostGraph, budget: int, ours: Plan, safety_margin: float, min_flops: bool = False) -> dict:
     t0 = time.perf_counter()
-    cands = candidates(cg, EXACT.max_cuts, EXACT.max_span, EXACT.sac)
+    cands = candidates(cg, EXACT)
     target = int(budget / (1.0 + safety_margin))
     for _ in range(4):   # CBC's tolerances are about a byte per MB: re-solve tighter if it shows
         sol = solve_ilp(cg, target, EXACT, cands=cands)

@@ -13,12 +13,12 @@ import importlib
 
 _EXPORTS = {
     "plan": "api", "analyze": "api", "Analysis": "api",
-    "solve_plan": "fit", "PlanOptions": "fit", "Measure": "fit",
+    "solve_plan": "fit", "PlanOptions": "options", "Measure": "fit",
     "budget_to_bytes": "budget", "parse_budget": "budget", "Budget": "budget",
-    "CostGraph": "costgraph", "Plan": "result", "Region": "result", "SolveOptions": "solve",
+    "CostGraph": "costgraph", "Plan": "result", "Region": "result", "SolveOptions": "options",
     "DeviceRates": "rates",
     "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
-    "BudgetError": "errors",
+    "BudgetError": "errors", "ForwardError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,7 @@
 """plan(): trace -> profile -> CostGraph -> ILP -> simulated Plan, for reports and CI checks."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -17,6 +18,8 @@ from .result import Plan
 from .rng import rng_preserved
 from .state import mode_key, state_preserved, training_modes
 from .trace import Traced, capture
+
+log = logging.getLogger("remat.planner")
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,24 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
                     raise
                 traced = replace(traced, opaque=traced.opaque + ((e.module, f"needs tensor values, which fake tensors do not have ({e.why})"),),
                                  path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+    _say_how(model, traced)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
+
+
+def _say_how(model: torch.nn.Module, traced: Traced) -> None:
+    """Log what was not the plain path: another capture, opaque modules, use_cache turned off."""
+    name = type(model).__name__
+    if traced.path != "fx":
+        log.info("%s: graph captured by %s; %s", name, traced.path,
+                 "; ".join(f"{p} not taken ({why})" for p, why in traced.attempts))
+    for p, why in traced.attempts:
+        if "use_cache=False" in why:
+            log.warning("%s: captured with use_cache=False, as Hugging Face does under gradient checkpointing: "
+                        "the output carries no key/value cache", name)
+    for module, why in traced.opaque:
+        log.info("%s: %s is planned as one opaque node: %s", name, module, why)
 
 
 def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,

@@ -12,15 +12,16 @@ Which runs are offered:
   A region that recomputes no storage never pays either, and is not offered.
 - When the graph is small enough (at most `FULL_PAIRS` (start, end) pairs), or the caller asks
   for every cut and span, every remaining region is offered: the ILP over them is then exact
-  (NOTE [ ILP ]). Measured (CBC, 1 thread, this 2-core VM): the 85-node 2-layer GPT-2 (42
-  positions, 903 pairs) and the 53-node U-Net (52 positions, 1378 pairs) solve to optimality in
-  1-4 s; the 161-node 4-layer GPT-2 (78 positions, 3081 pairs) takes 24-67 s.
+  (NOTE [ ILP ]); benchmarks/results/2026-12-01-solver-notes.md has the solve times measured.
 - Otherwise: the regions between *cuts* (the `max_cuts` boundaries where the fewest activation
   bytes cross, each region spanning at most `max_span` cuts, trivial ends trimmed), which give
   block-sized and longer regions, plus the `EXTRA` regions of at most about two blocks that save
   the most bytes per second of recompute on their own (`efficient_spans`): an attention core
   (scores to softmax to dropout) starts and ends where many bytes cross, so cuts alone miss it.
-  On the 4-layer GPT-2 this set (642 candidates) gives the exact optimum at 30/50/70% budgets.
+
+`SearchSpace` holds what every region of one graph is judged by (its validity rules, the
+storages each node makes and reads, the cached candidates): `candidates` and the local search
+(planner/improve.py) share one, so a region is valid for one exactly when it is for the other.
 """
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ from dataclasses import dataclass
 
 from .baselines import blocks, sac_keepable
 from .costgraph import CostGraph
+from .options import SolveOptions
 from .result import Region
-from .simulate import region_recompute
+from .simulate import base_liveness, region_recompute
 
 FULL_PAIRS = 1500    # every region is offered up to this many (start, end) pairs (docstring)
 EXTRA = 400          # on larger graphs: regions offered for their efficiency, besides those between cuts
 FREE_SPAN = 48       # ... spanning at most this many positions when the graph has no repeated blocks
+CUTS_PER_BLOCK = 6   # with repeated blocks, about this many cuts per block (a region spans a block or two)
+EXTRA_CUTS = 8       # ... plus these, for what comes before and after the blocks
+_TINY = 1e-12        # seconds: guards a division by a region's cost
 
 
 @dataclass(frozen=True)
@@ -46,22 +51,6 @@ class Candidate:
     caches: tuple[int, ...]       # storages kept by SAC (outputs of saved nodes)
     cache_release: tuple[int, ...] = ()   # per cached storage: the node after whose backward it goes
     inputs: tuple[int, ...] = ()  # storages read in the region, made before it (checkpoint keeps them)
-
-
-def crossing_bytes(cg: CostGraph) -> list[int]:
-    """Bytes of activations live across the cut after each node (made at <= i, read at > i)."""
-    n = len(cg.nodes)
-    diff = [0] * (n + 1)
-    for s in cg.storages:
-        last = max(s.users, default=s.producer)
-        if last > s.producer:
-            diff[s.producer] += s.bytes
-            diff[last] -= s.bytes
-    out, acc = [], 0
-    for d in diff[:-1]:
-        acc += d
-        out.append(acc)
-    return out
 
 
 def trivial_nodes(cg: CostGraph) -> list[bool]:
@@ -77,38 +66,97 @@ def trivial_nodes(cg: CostGraph) -> list[bool]:
     return [not b for b in busy]
 
 
+class SearchSpace:
+    """The regions of one graph: which are valid, and what each does (its Candidate, cached).
+
+    A region a..b is valid when every node in it is recomputable and no node in it reads a
+    storage made before a that some node >= a writes (recomputing it would read the written
+    value). `sac`: whether regions that keep their FLOP-heavy nodes' outputs are offered."""
+
+    def __init__(self, cg: CostGraph, sac: bool = True):
+        self.cg, self.sac = cg, sac
+        n = len(cg.nodes)
+        self.ok = [c.recomputable for c in cg.nodes]
+        triv = trivial_nodes(cg)
+        self.trivial = triv
+        self.positions = [i for i in range(n) if self.ok[i] and not triv[i]]   # where regions start and end
+        self.keepable = sac_keepable(cg)
+        self.by_producer: list[list[int]] = [[] for _ in cg.nodes]
+        for sid, s in enumerate(cg.storages):
+            self.by_producer[s.producer].append(sid)
+        self.reads: list[list[int]] = [[] for _ in cg.nodes]    # per node, the storages (> 0 bytes) it reads
+        for sid, s in enumerate(cg.storages):
+            if s.bytes > 0:
+                for u in set(s.users):
+                    self.reads[u].append(sid)
+        self._mutated_reads: dict[int, list] = {}
+        for s in cg.storages:
+            if s.mutated_by:
+                for u in s.users:
+                    self._mutated_reads.setdefault(u, []).append(s)
+        self._bad_from: dict[int, int] = {}
+        self._cache: dict[Region, Candidate | None] = {}
+
+    def _written_late(self, a: int, j: int) -> bool:
+        """Node j reads a storage made before a that some node >= a writes."""
+        return any(s.producer < a and max(s.mutated_by) >= a for s in self._mutated_reads.get(j, ()))
+
+    def valid(self, a: int, b: int) -> bool:
+        if a > b or not all(self.ok[a:b + 1]):
+            return False
+        if a not in self._bad_from:
+            n = len(self.cg.nodes)
+            self._bad_from[a] = next((j for j in range(a, n) if self._written_late(a, j)), n)
+        return self._bad_from[a] > b
+
+    def heavy(self, a: int, b: int) -> tuple[int, ...]:
+        """The nodes of a..b whose outputs a SAC region keeps."""
+        return tuple(j for j in range(a, b + 1) if self.keepable[j])
+
+    def variants(self, a: int, b: int) -> list[Region]:
+        """a..b plain, and keeping its heavy nodes when SAC is on and that differs; [] if invalid."""
+        if not self.valid(a, b):
+            return []
+        h = self.heavy(a, b) if self.sac else ()
+        return [Region(a, b)] + ([Region(a, b, h)] if h and len(h) < b - a + 1 else [])
+
+    def get(self, a: int, b: int, sac: bool) -> Candidate | None:
+        """Region a..b, plain or (`sac`) keeping its heavy nodes; None if not a candidate."""
+        rs = self.variants(a, b)
+        r = rs[1] if sac and len(rs) > 1 else (rs[0] if rs and not sac else None)
+        return None if r is None else self.candidate(r)
+
+    def candidate(self, r: Region) -> Candidate | None:
+        if r not in self._cache:
+            self._cache[r] = make_candidate(self.cg, r, self.by_producer, self.reads)
+        return self._cache[r]
+
+    def between(self, lo: int, hi: int) -> list[int]:
+        return [p for p in self.positions if lo <= p <= hi]
+
+
 def cut_points(cg: CostGraph, max_cuts: int, n_blocks: int = 0) -> list[int]:
     """Positions i (a cut after node i) where regions may begin or end; -1 is the graph's start.
 
-    With repeated blocks, about six cuts per block: a region can then span a block or two."""
+    With repeated blocks, about CUTS_PER_BLOCK cuts per block: a region can then span a block or two."""
     n = len(cg.nodes)
-    cross = crossing_bytes(cg)
+    cross = base_liveness(cg).crossing
     cuts = list(range(n - 1))
     if n_blocks:
-        max_cuts = min(max_cuts, 6 * n_blocks + 8)
+        max_cuts = min(max_cuts, CUTS_PER_BLOCK * n_blocks + EXTRA_CUTS)
     if len(cuts) > max_cuts:
         cuts = sorted(sorted(cuts, key=lambda i: (cross[i], i))[:max_cuts])
     return [-1] + cuts
 
 
-def _readers(cg: CostGraph) -> list[list[int]]:
-    """Per node, the storages (of positive size) it reads."""
-    reads: list[list[int]] = [[] for _ in cg.nodes]
-    for sid, s in enumerate(cg.storages):
-        if s.bytes > 0:
-            for u in set(s.users):
-                reads[u].append(sid)
-    return reads
-
-
 def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[list[int]],
-                   reads: list[list[int]] | None = None) -> Candidate | None:
-    work, top, rec_peak, flops, cost = region_recompute(cg, region)
-    if top is None:
+                   reads: list[list[int]]) -> Candidate | None:
+    rc = region_recompute(cg, region)
+    if rc.top is None:
         return None
-    work = list(work)
-    t = top - region.start
-    work[t] = max(work[t], rec_peak - cg.nodes[top].bwd_extra_bytes)
+    work = list(rc.work)
+    t = rc.top - region.start
+    work[t] = max(work[t], rc.peak - cg.nodes[rc.top].bwd_extra_bytes)
     saved = set(region.saved)
     drops, caches, release = [], [], []
     for i in range(region.start, region.end + 1):
@@ -119,7 +167,7 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
                 # (NOTE [ liveness ]; simulate.keep_release)
                 inner = [h for h in s.holders if h in region]
                 caches.append(sid)
-                release.append(min(inner) if inner and i <= top else region.start)
+                release.append(min(inner) if inner and i <= rc.top else region.start)
             elif s.bytes > 0 and s.holders and all(h in region for h in s.holders):
                 drops.append(sid)
     if not drops and not any(cg.storages[sid].bytes > 0 and not cg.storages[sid].output
@@ -130,43 +178,24 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
         # (one that drops nothing can still pay: a storage also held outside is then released
         # after the outer holder's backward, not its first holder's; NOTE [ liveness ])
         return None
-    reads = _readers(cg) if reads is None else reads
     inputs = sorted({sid for u in range(region.start, region.end + 1) for sid in reads[u]
                      if cg.storages[sid].producer not in region})
-    return Candidate(region, cost, flops, tuple(work), tuple(drops), tuple(caches), tuple(release), tuple(inputs))
+    return Candidate(region, rc.seconds, rc.flops, tuple(work), tuple(drops), tuple(caches), tuple(release),
+                     tuple(inputs))
 
 
-def _written_after_reads(cg: CostGraph):
-    """written_late(a, j): node j reads a storage made before a that some node >= a writes."""
-    reads: dict[int, list] = {}
-    for s in cg.storages:
-        if s.mutated_by:
-            for u in s.users:
-                reads.setdefault(u, []).append(s)
-    def written_late(a: int, j: int) -> bool:
-        return any(s.producer < a and max(s.mutated_by) >= a for s in reads.get(j, ()))
-    return written_late
-
-
-def _positions(cg: CostGraph) -> list[int]:
-    """Nodes a region may start or end at: recomputable and not trivial."""
-    triv = trivial_nodes(cg)
-    return [i for i, c in enumerate(cg.nodes) if c.recomputable and not triv[i]]
-
-
-def _full(cg: CostGraph, max_cuts: int, max_span: int) -> bool:
+def _full(space: SearchSpace, max_cuts: int, max_span: int) -> bool:
     """Every region is offered: the caller asks for it, or there are few enough of them."""
-    n, pos = len(cg.nodes), _positions(cg)
+    n, pos = len(space.cg.nodes), space.positions
     return (max_cuts >= n - 1 and max_span >= n) or len(pos) * (len(pos) + 1) // 2 <= FULL_PAIRS
 
 
-def spans(cg: CostGraph, max_cuts: int = 160, max_span: int = 14) -> list[tuple[int, int]]:
+def spans(space: SearchSpace, max_cuts: int, max_span: int) -> list[tuple[int, int]]:
     """The (a, b) node ranges offered as candidates, before validity checks: every pair of
     positions on small graphs, else the ranges between cuts (trivial ends trimmed)."""
-    triv = trivial_nodes(cg)
-    ok = [c.recomputable for c in cg.nodes]
-    if _full(cg, max_cuts, max_span):
-        pos = _positions(cg)
+    cg, triv = space.cg, space.trivial
+    if _full(space, max_cuts, max_span):
+        pos = space.positions
         pairs = [(a, b) for i, a in enumerate(pos) for b in pos[i:]]
     else:
         cuts = cut_points(cg, max_cuts, len(blocks(cg)))
@@ -181,18 +210,49 @@ def spans(cg: CostGraph, max_cuts: int = 160, max_span: int = 14) -> list[tuple[
                 if a <= b:
                     found.add((a, b))
         pairs = sorted(found)
-    return [(a, b) for a, b in pairs if all(ok[a:b + 1])]
+    return [(a, b) for a, b in pairs if all(space.ok[a:b + 1])]
 
 
-def efficient_spans(cg: CostGraph, span: int) -> list[tuple[float, int, int, bool]]:
+class _Prefix:
+    """Prefix sums over nodes of what a region's recompute costs (simulate.region_recompute)."""
+
+    def __init__(self, cg: CostGraph, keep: list[bool]):
+        self.cg = cg
+        self.plain, self.sac, self.ops = [0.0], [0.0], [0]
+        for j, c in enumerate(cg.nodes):
+            self.plain.append(self.plain[-1] + c.cost_s)
+            self.sac.append(self.sac[-1] + (0.0 if keep[j] else c.cost_s))
+            self.ops.append(self.ops[-1] + c.ops)
+
+    def cost(self, a: int, b: int, top: int, sac: bool) -> float:
+        if sac:
+            return (self.cg.region_s + self.cg.sac_op_s * (self.ops[b + 1] - self.ops[a])
+                    + self.sac[top + 1] - self.sac[a])
+        return self.cg.region_s + self.plain[top + 1] - self.plain[a]
+
+
+def _inputs_only_held_from(a: int, st: list, users: list) -> dict[int, int]:
+    """For regions starting at a: node e -> bytes of inputs made before a, held by no node
+    before a, that a region becomes the only keeper of once it reaches e."""
+    newly_at: dict[int, int] = {}
+    for s, us in zip(st, users):
+        if s.producer >= a or (s.holders and min(s.holders) < a):
+            continue                             # made inside, or held before a: kept whatever this region does
+        k = next((u for u in us if u >= a), None)
+        if k is not None:
+            e = max(k, max(s.holders, default=-1))
+            newly_at[e] = newly_at.get(e, 0) + s.bytes
+    return newly_at
+
+
+def efficient_spans(space: SearchSpace, span: int) -> list[tuple[float, int, int, bool]]:
     """(score, a, b, sac) for every region of at most `span` positions, best first, where the
     score is what the region saves standing alone — bytes it drops less the inputs only it keeps
     (read inside, made before, held by no node outside) — per second of recompute (its cost as
     in simulate.region_recompute). Regions that save nothing are left out. Incremental in b for
     each a: O(positions x span + positions x storages)."""
+    cg, pos, keep = space.cg, space.positions, space.keepable
     n = len(cg.nodes)
-    pos = _positions(cg)
-    keep = sac_keepable(cg)
     st = [s for s in cg.storages if s.bytes > 0 and not s.output]
     by_maxh: list[list] = [[] for _ in range(n)]     # storages droppable once b reaches their last holder
     held_at: list[list] = [[] for _ in range(n)]     # storages node b holds (b may become top(R))
@@ -201,111 +261,64 @@ def efficient_spans(cg: CostGraph, span: int) -> list[tuple[float, int, int, boo
             by_maxh[max(s.holders)].append(s)
             for h in set(s.holders):
                 held_at[h].append(s)
-    pre, pre_sac, pre_ops = [0.0], [0.0], [0]
-    for j, c in enumerate(cg.nodes):
-        pre.append(pre[-1] + c.cost_s)
-        pre_sac.append(pre_sac[-1] + (0.0 if keep[j] else c.cost_s))
-        pre_ops.append(pre_ops[-1] + c.ops)
+    prefix = _Prefix(cg, keep)
     users = [sorted(set(s.users)) for s in st]
     out = []
     for i, a in enumerate(pos):
-        newly_at: dict[int, int] = {}
-        for s, us in zip(st, users):
-            if s.producer >= a:
-                continue
-            if s.holders and min(s.holders) < a:
-                continue                             # held before a: kept whatever this region does
-            k = next((u for u in us if u >= a), None)
-            if k is not None:
-                e = max(k, max(s.holders, default=-1))
-                newly_at[e] = newly_at.get(e, 0) + s.bytes
-        dropped = [0, 0]           # plain, SAC
-        newly = 0
-        top = [None, None]
-        heavy = 0
-        nxt = a                    # the next node to take in
+        newly_at = _inputs_only_held_from(a, st, users)
+        dropped, top = [0, 0], [None, None]          # per variant: plain, SAC
+        newly = heavy = 0
+        nxt = a                                      # the next node to take in
         for b in pos[i:i + span]:
-            if not all(c.recomputable for c in cg.nodes[nxt:b + 1]):
+            if not all(space.ok[nxt:b + 1]):
                 break
             for j in range(nxt, b + 1):
                 heavy += keep[j]
+                newly += newly_at.get(j, 0)
                 for s in by_maxh[j]:
                     if s.producer >= a:
                         dropped[0] += s.bytes
-                        if not keep[s.producer]:
-                            dropped[1] += s.bytes
-                newly += newly_at.get(j, 0)
+                        dropped[1] += 0 if keep[s.producer] else s.bytes
                 for s in held_at[j]:
                     if s.producer >= a:
                         top[0] = j
-                        if not keep[s.producer]:
-                            top[1] = j
+                        top[1] = top[1] if keep[s.producer] else j
             nxt = b + 1
             for sac in (False, True):
-                if sac and (not heavy or heavy == b - a + 1):
+                if (sac and (not heavy or heavy == b - a + 1)) or top[sac] is None or dropped[sac] <= newly:
                     continue
-                t = top[sac]
-                if t is None or dropped[sac] <= newly:
-                    continue
-                if sac:
-                    cost = cg.region_s + cg.sac_op_s * (pre_ops[b + 1] - pre_ops[a]) + pre_sac[t + 1] - pre_sac[a]
-                else:
-                    cost = cg.region_s + pre[t + 1] - pre[a]
-                out.append(((dropped[sac] - newly) / max(cost, 1e-12), a, b, sac))
+                cost = prefix.cost(a, b, top[sac], sac)
+                out.append(((dropped[sac] - newly) / max(cost, _TINY), a, b, sac))
     out.sort(key=lambda e: (-e[0], e[1], e[2], e[3]))
     return out
 
 
-def candidates(cg: CostGraph, max_cuts: int = 160, max_span: int = 14, sac: bool = True) -> list[Candidate]:
+def candidates(cg: CostGraph, opts: SolveOptions = SolveOptions(), space: SearchSpace | None = None) -> list[Candidate]:
     """All candidate regions, each in its plain and (if different) SAC form; on large graphs,
-    those between cuts plus the `EXTRA` most efficient ones of at most ~two blocks (or
-    `FREE_SPAN` positions)."""
-    by_producer: list[list[int]] = [[] for _ in cg.nodes]
-    for sid, s in enumerate(cg.storages):
-        by_producer[s.producer].append(sid)
-    keepable = sac_keepable(cg)
-    reads = _readers(cg)
-    # a storage made before node a and written at or after a must not be an input of a region at a
-    written_late = _written_after_reads(cg)
-    bad_from: dict[int, int] = {}     # per start a: the first node j >= a with written_late(a, j)
-    n = len(cg.nodes)
-
-    def valid(a: int, b: int) -> bool:
-        if a not in bad_from:
-            bad_from[a] = next((j for j in range(a, n) if written_late(a, j)), n)
-        return bad_from[a] > b
-
-    def heavy(a: int, b: int) -> tuple[int, ...]:
-        return tuple(j for j in range(a, b + 1) if keepable[j])
-
+    those between cuts (`opts.max_cuts`, `opts.max_span`) plus the `EXTRA` most efficient ones of
+    at most ~two blocks (or `FREE_SPAN` positions). `space`: the graph's SearchSpace, if made."""
+    space = space or SearchSpace(cg, opts.sac)
     out, seen = [], set()
-    for a, b in spans(cg, max_cuts, max_span):
-        if not valid(a, b):
-            continue
-        h = heavy(a, b)
-        variants = [Region(a, b)]
-        if sac and h and len(h) < b - a + 1:
-            variants.append(Region(a, b, h))
-        for r in variants:
-            c = make_candidate(cg, r, by_producer, reads)
+    for a, b in spans(space, opts.max_cuts, opts.max_span):
+        for r in space.variants(a, b):
             seen.add(r)
+            c = space.candidate(r)
             if c is not None:
                 out.append(c)
-    if _full(cg, max_cuts, max_span):
+    if _full(space, opts.max_cuts, opts.max_span):
         return out
     n_blocks = len(blocks(cg))
-    span = -(-2 * len(_positions(cg)) // n_blocks) if n_blocks else FREE_SPAN
+    span = -(-2 * len(space.positions) // n_blocks) if n_blocks else FREE_SPAN
     added = 0
-    for _, a, b, use_sac in efficient_spans(cg, span):
+    for _, a, b, use_sac in efficient_spans(space, span):
         if added >= EXTRA:
             break
-        if (use_sac and not sac) or not valid(a, b):
-            continue
-        r = Region(a, b, heavy(a, b)) if use_sac else Region(a, b)
-        if r in seen:
+        variants = space.variants(a, b)
+        r = (variants[1] if len(variants) > 1 else None) if use_sac else (variants[0] if variants else None)
+        if r is None or r in seen:
             continue
         seen.add(r)
-        c = make_candidate(cg, r, by_producer, reads)
+        c = space.candidate(r)
         if c is not None:
             out.append(c)
             added += 1

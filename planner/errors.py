@@ -29,6 +29,9 @@ class InfeasibleBudgetError(RematError):
             f"shrink the batch/sequence"
         )
 
+    def __reduce__(self):
+        return (type(self), (self.budget_bytes, self.min_feasible_bytes, self.source, self.unit))
+
     def in_unit(self, unit: str | None) -> "InfeasibleBudgetError":
         """The same error, its sizes printed in `unit` (the one the user wrote the budget in; None:
         the decimal unit that suits)."""
@@ -43,13 +46,34 @@ class TraceError(RematError):
         self.cause = cause
         super().__init__(f"cannot trace {where}: {cause}")
 
+    def __reduce__(self):
+        return (type(self), (self.where, self.cause))
+
+
+class ForwardError(RematError):
+    """The model's own forward raised on the example inputs: a bug in the model or its inputs,
+    not something a tracer could not follow."""
+
+    def __init__(self, model: str, cause: BaseException):
+        self.model, self.cause = model, cause
+        first = next((line for line in str(cause).splitlines() if line.strip()), "")
+        super().__init__(f"{model}.forward raises on the example inputs ({type(cause).__name__}: {first}): "
+                         "the model's own error, not a tracing limitation; fix the model or its inputs")
+
+    def __reduce__(self):
+        return (type(self), (self.model, self.cause))
+
 
 class SolverError(RematError):
     """The ILP solver failed without a usable plan."""
 
     def __init__(self, status: str, detail: str = ""):
         self.status = status
+        self.detail = detail
         super().__init__(f"ILP solver returned status {status!r}. {detail}".strip())
+
+    def __reduce__(self):
+        return (type(self), (self.status, self.detail))
 
 
 class UnsafePlanError(RematError):

@@ -8,40 +8,24 @@ NOTE [ budget correction ] below.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from .baselines import known_plans
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
-from .rates import DeviceRates
+from .improve import Search, search
+from .options import PlanOptions, SolveOptions
 from .result import Plan, Region
 from .simulate import timeline
-from .solve import SolveOptions, solve_ilp, solve_min_peak
+from .solve import solve_ilp, solve_min_peak
 
 SIMULATED = "simulated only (no exact replay)"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanOptions:
-    solve: SolveOptions = field(default_factory=SolveOptions)  # ILP limits and candidate shape
-    safety_margin: float = 0.01     # a simulated prediction = simulated peak * (1 + margin)
-    # a replayed prediction (exact replay, measured steps) = replayed peak * (1 + replay_margin);
-    # None: 0 on CPU, where the replay meters what a real step's meter does, 1% on accelerators
-    # (allocator rounding, library workspaces)
-    replay_margin: float | None = None
-    find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
-    rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
-    # The step is `loss_fn(model(x)).backward()`: the output is released once the loss is computed
-    # (HF Trainer, Lightning). True if your loop holds the output through backward (`out = model(x);
-    # loss_fn(out).backward()` with `out` still referenced): its bytes are then in the budget too.
-    keep_output: bool = False
-    # ops outside torch's namespaces ("mylib::fused_mlp") that draw no random numbers; any other
-    # such op is treated as random: never kept by a SAC region
-    deterministic_ops: frozenset = frozenset()
+log = logging.getLogger("remat.planner")
 
 
 @runtime_checkable
@@ -71,6 +55,7 @@ class _Problem(NamedTuple):
     budget: int
     options: PlanOptions
     cands: list[Candidate]
+    ctx: Search | None                     # the graph's search space and judge, shared by every solve
     known: dict[str, tuple[Region, ...]]   # hand-made plans (and the least-peak one)
     peaks: dict[str, int]                  # their simulated predictions
     measure: Measure | None
@@ -111,7 +96,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     """
     budget_bytes = int(budget_bytes)
     margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
-    pb = _Problem(cg, budget_bytes, options, [], {}, {}, measure, margin)
+    pb = _Problem(cg, budget_bytes, options, [], None, {}, {}, measure, margin)
     unplanned = pb.predict(())
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
                 node_names=tuple(c.name for c in cg.nodes),
@@ -124,14 +109,15 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                                 solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
                                 recompute_flops=0, recompute_s=0.0, **base))
     t0 = time.perf_counter()
-    cands = candidates(cg, options.solve.max_cuts, options.solve.max_span, options.solve.sac)
+    ctx = search(cg, options.solve.sac)
+    cands = candidates(cg, options.solve, ctx.space)
     # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
     # They bound the smallest feasible budget and warm-start the ILP.
     known = known_plans(cg, options.solve.sac)
     if options.find_min_feasible:
-        known["min-peak"] = solve_min_peak(cg, options.solve, cands).regions
+        known["min-peak"] = solve_min_peak(cg, options.solve, cands, ctx).regions
     peaks = {name: pb.predict(r) for name, r in known.items() if r}
-    pb = pb._replace(cands=cands, known=known, peaks=peaks)
+    pb = pb._replace(cands=cands, ctx=ctx, known=known, peaks=peaks)
     min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
     try:
         choice = _fit(pb)
@@ -144,6 +130,8 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                             min_feasible_bytes=min_feasible, solver=choice.solver, status=choice.status,
                             gap=choice.gap, solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
+    if choice.solver not in ("ilp", "none"):
+        log.info("plan for %d bytes: the hand-made plan %r (%s)", budget_bytes, choice.solver, choice.status)
     added = margin - 1.0 if measure else options.safety_margin
     return replace(plan, notes=plan.notes + (f"predicted peak: {pb.source}" + (f", plus {added:.0%}" if added else ""),))
 
@@ -223,7 +211,7 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
     warm = known[fitting[0][1]] if fitting else ()
     target = int(budget_bytes / (1.0 + pb.options.safety_margin))
     for _ in range(ROUNDING_RESOLVES):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
-        sol = solve_ilp(cg, target, pb.options.solve, warm_start=warm, cands=pb.cands)
+        sol = solve_ilp(cg, target, pb.options.solve, warm_start=warm, cands=pb.cands, ctx=pb.ctx)
         if sol is None or pb.predict(sol.regions) <= budget_bytes:
             break
         target -= pb.predict(sol.regions) - budget_bytes
@@ -233,7 +221,7 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
         return Choice(known[name], name, "cheaper than the best plan the ILP found within its limits", float("nan"))
     if ilp_ok:
         return Choice(sol.regions, "ilp", sol.status, sol.gap)
-    floor = known.get("min-peak") or solve_min_peak(cg, pb.options.solve, pb.cands).regions
+    floor = known.get("min-peak") or solve_min_peak(cg, pb.options.solve, pb.cands, pb.ctx).regions
     raise InfeasibleBudgetError(budget_bytes, min([pb.predict(floor)] + list(peaks.values())), SIMULATED)
 
 

@@ -30,6 +30,7 @@ policy, a cost per op of the region (the policy's dispatch mode runs for each).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .costgraph import CostGraph
 from .result import Region
@@ -45,6 +46,48 @@ class Timeline:
     @property
     def peak_bytes(self) -> int:
         return max(max(self.fwd), max(self.bwd))
+
+
+class Base(NamedTuple):
+    """The live bytes every plan has (NOTE [ liveness ] without K, J and W), computed here only:
+    the simulator, the ILP (planner/solve.py), the local search (planner/improve.py) and the
+    candidates (planner/candidates.py) all start from it."""
+    fwd: tuple[int, ...]        # F + storages between their producer and last reader + fwd_extra_t,
+                                # plus outputs kept to the end of forward
+    bwd: tuple[int, ...]        # F + G_param(t) + G_act(t) + outputs + bwd_extra_t
+    crossing: tuple[int, ...]   # bytes made at <= i and read at > i: live across the cut after node i
+
+
+class Recompute(NamedTuple):
+    """What one region costs in backward (simulate.region_recompute)."""
+    work: tuple[int, ...]     # per node of the region: its recompute working set W
+    top: int | None           # top(R): where the recomputation runs (None: it recomputes nothing)
+    peak: int                 # the recomputation's own peak, above what is live outside it
+    flops: int                # recomputed FLOPs
+    seconds: float            # estimated recompute time, the region's fixed costs included
+
+
+def last_reader(s) -> int:
+    """The last node that reads storage `s` in forward (its producer when none does)."""
+    return max(s.users, default=s.producer)
+
+
+def base_liveness(cg: CostGraph) -> Base:
+    n = len(cg.nodes)
+    fwd_d, bwd_d, between = [0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
+    for s in cg.storages:
+        last = last_reader(s)
+        _prefix_add(between, s.producer + 1, last, s.bytes)   # live at the start of these nodes
+        if s.output:                                           # kept for the caller, always
+            _prefix_add(fwd_d, last + 1, n - 1, s.bytes)
+            _prefix_add(bwd_d, 0, n - 1, s.bytes)
+    for i, c in enumerate(cg.nodes):
+        _prefix_add(bwd_d, i, c.grad_last_user, c.grad_bytes)
+        _prefix_add(bwd_d, 0, i, c.param_grad_bytes)
+    outputs, bwd_live, live = _cumsum(fwd_d), _cumsum(bwd_d), _cumsum(between) + [0]
+    return Base(tuple(cg.fixed_bytes + live[t] + outputs[t] + cg.nodes[t].fwd_extra_bytes for t in range(n)),
+                tuple(cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)),
+                tuple(live[i + 1] for i in range(n)))
 
 
 def region_index(n: int, regions: tuple[Region, ...]) -> list[int]:
@@ -98,31 +141,28 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     n = len(cg.nodes)
     where = region_index(n, regions)
     recomputes = [region_recompute(cg, r) for r in regions]
-    rel = keep_release(cg, regions, where, [rc[1] for rc in recomputes])
+    rel = keep_release(cg, regions, where, [rc.top for rc in recomputes])
+    base = base_liveness(cg)
     fwd_d, bwd_d = [0] * (n + 1), [0] * (n + 1)
     for s, r in zip(cg.storages, rel):
-        last = n - 1 if r is not None else max(s.users, default=s.producer)
-        _prefix_add(fwd_d, s.producer + 1, last, s.bytes)     # live at the start of these nodes
-        if r is not None:
+        if r is not None and not s.output:                      # outputs are in the base
+            _prefix_add(fwd_d, last_reader(s) + 1, n - 1, s.bytes)   # kept: live to the end of forward
             _prefix_add(bwd_d, r, n - 1, s.bytes)
-    for i, c in enumerate(cg.nodes):
-        _prefix_add(bwd_d, i, c.grad_last_user, c.grad_bytes)
-        _prefix_add(bwd_d, 0, i, c.param_grad_bytes)
-    fwd_live, bwd_live = _cumsum(fwd_d), _cumsum(bwd_d)
-    fwd = tuple(cg.fixed_bytes + fwd_live[t] + cg.nodes[t].fwd_extra_bytes for t in range(n))
-    bwd = [cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)]
+    fwd_kept, bwd_kept = _cumsum(fwd_d), _cumsum(bwd_d)
+    fwd = tuple(base.fwd[t] + fwd_kept[t] for t in range(n))
+    bwd = [base.bwd[t] + bwd_kept[t] for t in range(n)]
     flops, secs = 0, 0.0
-    for r, (work, top, rec_peak, f, s_) in zip(regions, recomputes):
+    for r, rc in zip(regions, recomputes):
         for t in range(r.start, r.end + 1):
-            bwd[t] += work[t - r.start]
-        if top is not None:
-            base = bwd[top] - work[top - r.start]
-            bwd[top] = max(bwd[top], base - cg.nodes[top].bwd_extra_bytes + rec_peak)
-        flops, secs = flops + f, secs + s_
+            bwd[t] += rc.work[t - r.start]
+        if rc.top is not None:
+            outside = bwd[rc.top] - rc.work[rc.top - r.start] - cg.nodes[rc.top].bwd_extra_bytes
+            bwd[rc.top] = max(bwd[rc.top], outside + rc.peak)
+        flops, secs = flops + rc.flops, secs + rc.seconds
     return Timeline(fwd, tuple(bwd), flops, secs)
 
 
-def region_recompute(cg: CostGraph, r: Region):
+def region_recompute(cg: CostGraph, r: Region) -> Recompute:
     """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
     size = r.end - r.start + 1
     saved = set(r.saved)
@@ -130,7 +170,7 @@ def region_recompute(cg: CostGraph, r: Region):
     recomputed = [s for s in inside if any(h in r for h in s.holders)]
     passing = [s for s in inside if not any(h in r for h in s.holders)]
     if not recomputed:
-        return [0] * size, None, 0, 0, 0.0
+        return Recompute((0,) * size, None, 0, 0, 0.0)
     top = max(h for s in recomputed for h in s.holders if h in r)
     diff = [0] * (size + 1)
     for s in recomputed:
@@ -142,9 +182,10 @@ def region_recompute(cg: CostGraph, r: Region):
     for s in recomputed:
         _prefix_add(live, s.producer + 1 - r.start, size - 1, s.bytes)
     for s in passing:
-        _prefix_add(live, s.producer + 1 - r.start, min(max(s.users, default=s.producer), r.end) - r.start, s.bytes)
+        _prefix_add(live, s.producer + 1 - r.start, min(last_reader(s), r.end) - r.start, s.bytes)
     live = _cumsum(live)
-    rec_peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
+    peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
     todo = [j for j in range(r.start, top + 1) if j not in saved]
     overhead = cg.region_s + (cg.sac_op_s * sum(c.ops for c in cg.nodes[r.start:r.end + 1]) if saved else 0.0)
-    return work, top, rec_peak, sum(cg.nodes[j].flops for j in todo), overhead + sum(cg.nodes[j].cost_s for j in todo)
+    return Recompute(tuple(work), top, peak, sum(cg.nodes[j].flops for j in todo),
+                     overhead + sum(cg.nodes[j].cost_s for j in todo))

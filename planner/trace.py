@@ -8,7 +8,8 @@
    Python by running it, so it sees through what fx cannot (Hugging Face models), at the aten
    level. Data-dependent control flow makes it fail loudly rather than specialise.
 Whichever graph is taken, `Traced.attempts` says what the others did. When neither captures
-the model, planner.api falls back to planning over the module tree (planner.modules).
+the model, `capture` raises TraceError, and runtime.api plans over the module tree instead
+(planner.modules, runtime/rewrite/module_tree.py); when the forward itself raises, ForwardError.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .errors import TraceError
+from .errors import ForwardError, TraceError
 
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
 # Modules whose CPU kernels hold memory that fake tensors do not see (the RNNs' fused kernels keep
@@ -211,9 +212,20 @@ def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
             and "use_cache" in inspect.signature(model.forward).parameters)
 
 
+def _raise_if_forward_fails(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """No tracer captured the model: if its forward raises when simply run (without grad; the
+    caller restores RNG and state), that is the model's own error, raised as ForwardError."""
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as e:
+        raise ForwardError(type(model).__name__, e) from e
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
     """The best graph of `model(*args, **kwargs)`: fx if it needs no opaque leaves, else
-    torch.export if it succeeds, else fx with opaque leaves. Raises TraceError if none works."""
+    torch.export if it succeeds, else fx with opaque leaves. Raises TraceError if none works, or
+    ForwardError when the model's forward raises when run plainly."""
     attempts: list[tuple[str, str]] = []
     try:
         traced = trace(model, args, kwargs)
@@ -240,6 +252,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
                 attempts.append(("torch.export with use_cache=False", _first_line(e2)))
     if traced is not None:
         return replace(traced, attempts=tuple(attempts))
+    _raise_if_forward_fails(model, args, kwargs)
     raise TraceError(f"{type(model).__name__}.forward",
                      "; ".join(f"{p}: {why}" for p, why in attempts))
 

@@ -8,15 +8,17 @@ SPELLING = {"gb": "GB", "gib": "GiB", "mb": "MB", "mib": "MiB", "kb": "kB", "kib
 
 
 def size_text(n_bytes: float, unit: str | None = None, round_up: bool = False) -> str:
-    """Bytes in `unit` ('GB', 'MiB', ...) with four significant digits, or without a unit in the
-    decimal unit that suits ('17.98 MB'); `round_up`: never below n_bytes when typed back in."""
-    if unit is None:
+    """Bytes in `unit` ('GB', 'MiB', ...) with four significant digits (at least two decimals), or
+    without a unit in the decimal unit that suits, with two decimals ('17.98 MB', '262.14 kB');
+    `round_up`: never below n_bytes when typed back in."""
+    auto = unit is None
+    if auto:
         unit = next((u for u, s in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)) if abs(n_bytes) >= s), "B")
     scale = UNITS[unit.lower()]
     value = n_bytes / scale
     if unit == "B":
         return f"{math.ceil(value) if round_up else round(value)} B"
-    digits = max(2, 3 - math.floor(math.log10(abs(value)))) if value else 2
+    digits = 2 if auto or not value else max(2, 3 - math.floor(math.log10(abs(value))))
     if round_up:
         value = math.ceil(value * 10**digits - 1e-9) / 10**digits
     return f"{value:.{digits}f} {unit}"

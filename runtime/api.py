@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 from typing import Callable
 
@@ -19,6 +20,9 @@ from planner.trace import MEASURED_WHY
 
 from .measure import dry_run_peak
 from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
+
+
+log = logging.getLogger("remat.runtime")
 
 
 class ExactReplay:
@@ -153,6 +157,8 @@ class RematModule(torch.nn.Module):
             if self._compile is not None:
                 raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
                                           "compile (the module tree is planned, eagerly)") from e
+            log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
+                        type(model).__name__, e.cause)
             return plan_modules(model, args, kwargs, self._loss_fn, self._budget, self._options, e.cause), None, None
         budget_bytes = self._budget.bytes_of(unplanned_peak_bytes(a.cost_graph, self._options))
         if self._compile is not None:

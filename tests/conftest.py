@@ -1,13 +1,12 @@
 import copy
 import random
 
-import pulp
-
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
 from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
+from planner.solve import ilp_peak_bytes
 from runtime import examples, plan_and_wrap
 from runtime.measure import peak_memory, preserved
 
@@ -63,7 +62,6 @@ def train_step(model, example, seed=1, keep_output=True):
 
 def ilp_peaks_of_random_plans(cg, cands, seed: int, p: float, rounds: int):
     """(regions, the least budget the ILP admits for them, in bytes) for random disjoint plans."""
-    from planner.solve import _model
     rng = random.Random(seed)
     for _ in range(rounds):
         chosen, taken = [], set()
@@ -72,12 +70,8 @@ def ilp_peaks_of_random_plans(cg, cands, seed: int, p: float, rounds: int):
             if taken.isdisjoint(span) and rng.random() < p:
                 chosen.append(j)
                 taken |= span
-        prob, x, B, _, _ = _model(cg, cands, None)
-        prob += B
-        for j, v in enumerate(x):
-            prob += v == int(j in chosen)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False))
-        yield tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start)), pulp.value(B) * 1e6
+        regions = tuple(sorted((cands[j].region for j in chosen), key=lambda r: r.start))
+        yield regions, ilp_peak_bytes(cg, cands, regions)
 
 
 # ------------------------------------------------------------------ planned models, real steps

@@ -10,7 +10,7 @@ from planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region,
 from planner.baselines import sac_keepable
 from planner.candidates import candidates, trivial_nodes
 from planner.costgraph import NodeCost, StorageCost
-from planner.improve import _Judge, improve
+from planner.improve import Judge, improve
 from planner.simulate import timeline
 from planner.solve import solve_ilp
 
@@ -160,7 +160,7 @@ def test_ilp_over_every_region_is_the_exact_optimum(seed):
     cg = random_graph(seed)
     plans = [(timeline(cg, p), p) for p in every_plan(cg)]
     peaks = sorted({tl.peak_bytes for tl, _ in plans})
-    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    cands = candidates(cg, EVERY)
     # budgets between two plans' peaks: CBC's tolerances cannot tell bytes apart at a plan's peak
     mids = [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
     for budget in {mids[0], mids[len(mids) // 4], mids[len(mids) // 2], mids[-1]}:
@@ -177,7 +177,7 @@ def test_ilp_over_every_region_is_the_exact_optimum(seed):
 def test_ilp_peak_is_the_simulated_peak(seed):
     """For fixed regions, the least budget the ILP admits is the simulated peak, to the byte."""
     cg = random_graph(100 + seed, n=9)
-    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    cands = candidates(cg, EVERY)
     for regions, ilp_bytes in ilp_peaks_of_random_plans(cg, cands, seed=seed, p=0.4, rounds=10):
         assert ilp_bytes == pytest.approx(timeline(cg, regions).peak_bytes, abs=1)
 
@@ -186,14 +186,14 @@ def test_trivial_nodes_never_end_a_candidate():
     cg = random_graph(3)
     triv = trivial_nodes(cg)
     assert any(triv)
-    for c in candidates(cg, EVERY.max_cuts, EVERY.max_span):
+    for c in candidates(cg, EVERY):
         assert not triv[c.region.start] and not triv[c.region.end]
 
 
 def test_every_cut_asked_for_means_every_region():
     """max_cuts/max_span at least the graph's size offer every region, blocks or not."""
     cg = chain(12, [5, 1] * 6, [1] * 12)       # 12 nodes in blocks.0 .. blocks.11
-    got = {(c.region.start, c.region.end) for c in candidates(cg, 10**6, 10**6)}
+    got = {(c.region.start, c.region.end) for c in candidates(cg, EVERY)}
     # a single node recomputes nothing (its output's holder is the next node)
     assert got == {(a, b) for a in range(12) for b in range(a + 1, 12)}
 
@@ -203,7 +203,7 @@ def test_local_search_keeps_the_budget_and_never_costs_more(seed):
     """From random plans: the result fits the budget and costs no more; with no budget, its peak
     is no higher (and no lower than any plan's)."""
     cg = random_graph(200 + seed)
-    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
+    cands = candidates(cg, EVERY)
     plans = [(timeline(cg, p), p) for p in every_plan(cg)]
     rng = random.Random(seed)
     for _ in range(5):
@@ -225,8 +225,8 @@ def test_local_search_keeps_the_budget_and_never_costs_more(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_local_search_scores_plans_as_the_simulator_does(seed):
     cg = random_graph(300 + seed, n=9)
-    cands = candidates(cg, EVERY.max_cuts, EVERY.max_span)
-    judge, rng = _Judge(cg), random.Random(seed)
+    cands = candidates(cg, EVERY)
+    judge, rng = Judge(cg), random.Random(seed)
     for _ in range(30):
         chosen, taken = [], set()
         for c in rng.sample(cands, len(cands)):
