@@ -14,15 +14,16 @@ step per measurement, at the real size.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
 
 import pulp
 import torch
-from torch.utils._pytree import tree_flatten
 
-from .rng import rng_preserved
+from .state import step_preserved
+from .step import run_step, tensors, training_loss
 from .storage import LiveBytes, unlinked
 
 CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -44,12 +45,6 @@ class ModuleProfile:
     peak_bytes: int       # measured peak of the unplanned step
     forward_s: float
 
-    def estimate(self, chosen) -> int:
-        """Peak of the step with the `chosen` unit indices checkpointed (a model; measure to be sure)."""
-        us = [self.units[i] for i in chosen]
-        return (self.peak_bytes - sum(u.freed_bytes - u.added_bytes for u in us)
-                + max((u.transient_bytes for u in us), default=0))
-
 
 def units_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The root's children, containers opened: 'embed', 'layers.0', ..., 'head'. A Sequential
@@ -68,90 +63,98 @@ def units_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+class _Observer:
+    """Module hooks, a live-bytes `on_alloc` and a saved-tensor `pack` hook that, over one step,
+    record per unit the storages it makes, its inputs, who saves what, its calls and time."""
+
+    def __init__(self, units: list[tuple[str, torch.nn.Module]]):
+        self.units = units
+        self.index = {id(m): k for k, (_, m) in enumerate(units)}
+        self.active: list[int] = []                  # the unit running now (units do not nest)
+        self.serial: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> its number
+        self.creator: dict[int, int] = {}            # storage number -> unit that made it
+        self.savers: dict[int, set] = {}             # storage number -> units (-1: none) whose ops saved it
+        self.sizes: dict[int, int] = {}
+        self.inputs: list[set] = [set() for _ in units]
+        self.t_start: dict[int, float] = {}
+        self.times, self.calls, self.per_call = [0.0] * len(units), [0] * len(units), [0] * len(units)
+        self.call_saved: dict[int, int] = {}
+
+    def pre(self, m, a, kw):
+        k = self.index[id(m)]
+        if self.active:
+            return
+        self.active.append(k)
+        self.calls[k] += 1
+        self.call_saved[k] = 0
+        self.inputs[k].update(self.serial[t.untyped_storage()] for t in tensors((a, kw))
+                              if t.untyped_storage() in self.serial)
+        self.t_start[k] = time.perf_counter()
+
+    def post(self, m, a, kw, out):
+        k = self.index[id(m)]
+        if self.active and self.active[-1] == k:
+            self.times[k] += time.perf_counter() - self.t_start[k]
+            self.per_call[k] = max(self.per_call[k], self.call_saved[k])
+            self.active.pop()
+
+    def on_alloc(self, st, n):
+        sid = self.serial[st] = len(self.sizes)
+        self.sizes[sid] = n
+        if self.active:
+            self.creator[sid] = self.active[-1]
+
+    def pack(self, t):
+        sid = self.serial.get(t.untyped_storage())
+        if sid is None:
+            return unlinked(t)
+        k = self.active[-1] if self.active else -1
+        who = self.savers.setdefault(sid, set())
+        if k >= 0 and self.creator.get(sid) == k and k not in who:
+            self.call_saved[k] += self.sizes[sid]
+        who.add(k)
+        return unlinked(t)
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """The module hooks on every unit, for the block."""
+        handles = [m.register_forward_pre_hook(self.pre, with_kwargs=True) for _, m in self.units]
+        handles += [m.register_forward_hook(self.post, with_kwargs=True) for _, m in self.units]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def result(self) -> tuple[Unit, ...]:
+        """The units that ran, with what checkpointing each frees and adds."""
+        out, sizes, creator = [], self.sizes, self.creator
+        for k, (name, _) in enumerate(self.units):
+            freed = sum(sizes.get(s, 0) for s, who in self.savers.items() if who == {k} and creator.get(s) == k)
+            added = sum(sizes[s] for s in self.inputs[k] if s not in self.savers)
+            out.append(Unit(name, self.calls[k], freed, added, self.per_call[k], self.times[k]))
+        return tuple(u for u in out if u.calls)
 
 
 def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) -> ModuleProfile:
     """One real step of `model`, observed per unit. Parameters' grads, buffers and the RNG state
     are left as they were."""
-    units = units_of(model)
-    index = {id(m): k for k, (_, m) in enumerate(units)}
-    active: list[int] = []                       # the unit running now (units do not nest)
-    serial: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # storage -> its number
-    creator: dict[int, int] = {}                 # storage number -> unit that made it
-    savers: dict[int, set] = {}                  # storage number -> units (-1: none) whose ops saved it
-    sizes: dict[int, int] = {}
-    inputs: list[set] = [set() for _ in units]
-    t_start, times, calls, per_call = {}, [0.0] * len(units), [0] * len(units), [0] * len(units)
-    call_saved: dict[int, int] = {}
+    obs = _Observer(units_of(model))
+    fixed = list(model.parameters()) + list(model.buffers()) + tensors((args, kwargs))
+    forward_s = []
 
-    def pre(m, a, kw):
-        k = index[id(m)]
-        if active:
-            return
-        active.append(k)
-        calls[k] += 1
-        call_saved[k] = 0
-        inputs[k].update(serial[t.untyped_storage()] for t in _tensors((a, kw)) if t.untyped_storage() in serial)
-        t_start[k] = time.perf_counter()
-
-    def post(m, a, kw, out):
-        k = index[id(m)]
-        if active and active[-1] == k:
-            times[k] += time.perf_counter() - t_start[k]
-            per_call[k] = max(per_call[k], call_saved[k])
-            active.pop()
-
-    def on_alloc(st, n):
-        sid = serial[st] = len(sizes)
-        sizes[sid] = n
-        if active:
-            creator[sid] = active[-1]
-
-    def pack(t):
-        sid = serial.get(t.untyped_storage())
-        if sid is None:
-            return unlinked(t)
-        k = active[-1] if active else -1
-        who = savers.setdefault(sid, set())
-        if k >= 0 and creator.get(sid) == k and k not in who:
-            call_saved[k] += sizes[sid]
-        who.add(k)
-        return unlinked(t)
-
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for _, m in units]
-    handles += [m.register_forward_hook(post, with_kwargs=True) for _, m in units]
-    fixed = params + [b for b, _ in buffers] + _tensors((args, kwargs))
-    try:
-        for p in params:
+    def forward():
+        t0 = time.perf_counter()
+        out = model(*args, **kwargs)
+        forward_s.append(time.perf_counter() - t0)
+        return out
+    with step_preserved(model), obs.hooked():
+        for p in model.parameters():
             p.grad = None
-        with rng_preserved(), LiveBytes(baseline=fixed, on_alloc=on_alloc) as meter, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            t0 = time.perf_counter()
-            out = model(*args, **kwargs)
-            forward_s = time.perf_counter() - t0
-            loss = loss_fn(out) if loss_fn else sum(t.float().exp().sum() for t in _tensors(out) if t.requires_grad)
-            del out                 # the step is loss_fn(model(x)).backward(): the output is released
-            loss.backward()
-            del loss
-    finally:
-        for h in handles:
-            h.remove()
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    result = []
-    for k, (name, _) in enumerate(units):
-        freed = sum(sizes.get(s, 0) for s, who in savers.items() if who == {k} and creator.get(s) == k)
-        added = sum(sizes[s] for s in inputs[k] if s not in savers)
-        result.append(Unit(name, calls[k], freed, added, per_call[k], times[k]))
-    return ModuleProfile(tuple(u for u in result if u.calls), meter.peak_bytes, forward_s)
+        with LiveBytes(baseline=fixed, on_alloc=obs.on_alloc) as meter, \
+                torch.autograd.graph.saved_tensors_hooks(obs.pack, lambda t: t):
+            run_step(forward, lambda out: training_loss(out, loss_fn))
+    return ModuleProfile(obs.result(), meter.peak_bytes, forward_s[0])
 
 
 def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10.0) -> tuple[int, ...] | None:

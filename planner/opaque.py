@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .rng import host_rng_restored, rng_preserved
+from .state import buffers_restored
 from .storage import LiveBytes, unlinked
 
 
@@ -71,16 +72,12 @@ def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> di
                                for x in tree_flatten((args, kwargs))[0]]
         return pre
     handles = [gm.get_submodule(n).register_forward_pre_hook(hook(n), with_kwargs=True) for n in names]
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     try:
-        with torch.no_grad(), rng_preserved():
+        with buffers_restored(gm), torch.no_grad(), rng_preserved():
             gm(**inputs)
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     return found
 
 
@@ -194,9 +191,3 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     outs = iter(_Held.apply(cost, *StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *module.parameters())))
     return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
 
-
-def real_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's parameters and buffers by name (tied ones under every name)."""
-    state = dict(module.named_parameters(remove_duplicate=False))
-    state.update(module.named_buffers(remove_duplicate=False))
-    return state

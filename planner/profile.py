@@ -12,24 +12,22 @@ the measured peak holds beyond what the liveness model explains for the unplanne
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .opaque import stand_in
 from .rates import DeviceRates
-from .rng import rng_preserved
 from .simulate import timeline
+from .step import FakeState, fake_step, run_step, training_loss
 from .storage import LiveBytes, fake_twin, unlinked
 from .trace import placeholder_values
 
@@ -292,74 +290,120 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset()) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
-    Without `loss_fn`, the loss is a stand-in that keeps one tensor of each output's size
-    for backward (as cross-entropy keeps its log-softmax), so the plan leaves room for a loss.
-    The step is `loss_fn(gm(**inputs)).backward()`: the output is released once the loss is
-    computed (what the loss saves stays), unless `keep_output` (the caller holds it through
-    backward). Ops outside torch's own namespaces draw random numbers unless named in
-    `deterministic_ops` ("namespace::name").
+    Without `loss_fn`, the loss is the stand-in of `step.training_loss`, so the plan leaves
+    room for a loss. The step is `loss_fn(gm(**inputs)).backward()`: the output is released
+    once the loss is computed (what the loss saves stays), unless `keep_output` (the caller
+    holds it through backward). Ops outside torch's own namespaces draw random numbers unless
+    named in `deterministic_ops` ("namespace::name").
     """
-
     device = next(iter(gm.parameters()), torch.empty(0)).device
     rates = rates or DeviceRates.for_device(device)
-    nodes = compute_nodes(gm)
-    real_state = graph_state(gm)
-    opaque_state = {m: {k[len(m) + 1:]: v for k, v in real_state.items() if k.startswith(m + ".")} for m in opaque}
-    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        state = {k: fake_mode.from_tensor(v) for k, v in real_state.items()}
-        buffer_names = [k for k, _ in gm.named_buffers(remove_duplicate=False)]
-        fake_in = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
-        fixed = list(state.values()) + [t for t in tree_flatten(fake_in)[0] if isinstance(t, torch.Tensor)]
-        real = list(real_state.values()) + [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-        mode = _ProfileMode(baseline=fixed, deterministic_ops=deterministic_ops)
-        mode.track_fixed([t.untyped_storage() for t in fixed], [t.untyped_storage() for t in real])
-        fixed_storages = mode.fixed_storages      # grows: tensors the step reads that it did not make
-        grad_params = {id(fixed_storages[i]): t for i, t in enumerate(fixed) if t.requires_grad and t.is_leaf}
+    run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops)
+    cg = CostGraph(
+        nodes=_node_costs(gm, run, rates), storages=_storage_costs(run),
+        fixed_bytes=_unique_bytes(run.mode.fixed_storages), region_s=rates.region_s, sac_op_s=rates.sac_op_s,
+        param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
+        meta={"torch": torch.__version__, "nodes": len(run.runner.index), "loss": "given" if loss_fn else "stand-in",
+              "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,
+              "deterministic_ops": sorted(deterministic_ops), "device": device.type},
+    )
+    return _calibrated(cg, run)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the fake step measured."""
+    runner: _Runner
+    fake: FakeState
+    grad_params: dict[int, torch.Tensor]   # id of its fixed storage -> each fixed tensor that gets a gradient
+    bwd: dict[int, int]        # node -> peak while its backward ran
+    held: set[int]             # storages held to the end: the output kept, storages outliving the step
+
+    @property
+    def mode(self) -> _ProfileMode:
+        return self.runner.mode
+
+
+def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], examples: dict[str, list],
+         keep_output: bool, deterministic_ops: frozenset[str]) -> _Run:
+    """The step on fake tensors, metered node by node: forward, the loss as one more node, backward."""
+    with fake_step(gm, inputs) as fake:
+        mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops)
+        mode.track_fixed([t.untyped_storage() for t in fake.fixed], [t.untyped_storage() for t in fake.made_from])
+        opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
         flops = FlopCounterMode(display=False)
-        runner = _Runner(gm, mode, flops, opaque_state, examples or {})
-        with _reparametrize_module(gm, state), flops, mode:
-            out = runner.run(*placeholder_values(gm, fake_in))
-            runner.env.clear()
-            loss_i = len(nodes)
-            loss = runner.measure(loss_i, lambda: _loss(out, loss_fn))
-            outputs = {mode.sid[t.untyped_storage()] for t in tree_flatten(out)[0]
-                       if keep_output and isinstance(t, torch.Tensor) and t.untyped_storage() in mode.sid}
-            if not keep_output:
-                del out
-            bwd = _backward(loss, runner)
-            del loss
-            # storages the step made that outlive it: a module attribute set in forward (the
-            # weight spectral_norm's pre-hook computes), a cache; held like an output, to the end
-            outputs |= {sid for sid in mode.sid.values()}
-    fixed_at_start = sum(st.nbytes() for st in {id(s): s for s in fixed_storages[:len(fixed)]}.values())
-    # the last node whose backward makes each parameter's gradient
-    param_grad = [0] * (len(nodes) + 1)
-    for fid, users in mode.fixed_users.items():
-        st = fixed_storages[fid]
+        runner = _Runner(gm, mode, flops, opaque_state, examples)
+        grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
+        with flops, mode:
+            bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs),
+                                 lambda out: runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn)),
+                                 lambda loss: _backward(loss, runner), keep_output)
+            # storages the step made that outlive it (the output when kept: `kept` holds it; a module
+            # attribute set in forward, such as the weight spectral_norm's pre-hook computes; a cache)
+            held = set(mode.sid.values())
+    return _Run(runner, fake, grad_params, bwd, held)
+
+
+def _forward(gm: fx.GraphModule, runner: _Runner, fake_inputs: dict):
+    out = runner.run(*placeholder_values(gm, fake_inputs))
+    runner.env.clear()
+    return out
+
+
+def _unique_bytes(storages) -> int:
+    """Bytes of `storages`, each storage once."""
+    return sum(st.nbytes() for st in {id(s): s for s in storages}.values())
+
+
+def _param_grad_bytes(run: _Run) -> list[int]:
+    """Per node, the bytes of the parameter gradients its backward makes last."""
+    fixed, grad_params = run.mode.fixed_storages, run.grad_params
+    param_grad = [0] * (len(run.runner.index) + 1)
+    for fid, users in run.mode.fixed_users.items():
+        st = fixed[fid]
         if id(st) in grad_params and users:
             param_grad[max(users)] += st.nbytes()
-    # a node that writes a parameter or an input in place must not run twice
-    buffer_ids = {id(st) for st in (state[k].untyped_storage() for k in buffer_names)}
-    writes_fixed: dict[int, str] = {}
-    for fid, writers in mode.fixed_mutated.items():
-        if id(fixed_storages[fid]) not in buffer_ids:
-            for w in writers:
-                writes_fixed[w] = "writes a parameter or an input in place"
-    # buffers the step writes in place: a region's recompute must see them as its forward did
-    mutated = {id(fixed_storages[fid]) for fid in mode.fixed_mutated}
-    # (an opaque module ran for real, out of sight: each of its buffers may be written)
-    mutated_buffers = sorted(k for k in buffer_names if id(state[k].untyped_storage()) in mutated
-                             or any(k.startswith(m + ".") for m in opaque))
-    grad_last = [loss_i] * (len(nodes) + 1)
-    for n, i in runner.index.items():
-        users = [runner.index.get(u, loss_i) for u in n.users]
-        grad_last[i] = max(users, default=i)
-    node_costs = []
-    for i in range(len(nodes) + 1):
-        r = runner.rec[i]
-        is_loss = i == loss_i
+    return param_grad
+
+
+def _buffer_storage_ids(gm: fx.GraphModule, run: _Run) -> dict[str, int]:
+    """Each buffer's name -> the id of its fake storage."""
+    return {k: id(run.fake.state[k].untyped_storage()) for k, _ in gm.named_buffers(remove_duplicate=False)}
+
+
+def _writes_fixed(gm: fx.GraphModule, run: _Run) -> dict[int, str]:
+    """The nodes that write a parameter or an input in place: they must not run twice."""
+    fixed, buffer_ids = run.mode.fixed_storages, set(_buffer_storage_ids(gm, run).values())
+    return {w: "writes a parameter or an input in place" for fid, writers in run.mode.fixed_mutated.items()
+            if id(fixed[fid]) not in buffer_ids for w in writers}
+
+
+def _mutated_buffers(gm: fx.GraphModule, run: _Run, opaque: tuple[str, ...]) -> list[str]:
+    """The buffers the step writes in place, which a region's recompute must see as its forward
+    did; an opaque module ran for real, out of sight, so each of its buffers may be written."""
+    mutated = {id(run.mode.fixed_storages[fid]) for fid in run.mode.fixed_mutated}
+    return sorted(k for k, sid in _buffer_storage_ids(gm, run).items()
+                  if sid in mutated or any(k.startswith(m + ".") for m in opaque))
+
+
+def _grad_last_users(run: _Run) -> list[int]:
+    """Per node, the last node (the loss where none) that uses its output: its gradient is complete there."""
+    index, loss_i = run.runner.index, run.runner.loss_i
+    grad_last = [loss_i] * (loss_i + 1)
+    for n, i in index.items():
+        grad_last[i] = max((index.get(u, loss_i) for u in n.users), default=i)
+    return grad_last
+
+
+def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates) -> tuple[NodeCost, ...]:
+    runner, mode = run.runner, run.mode
+    nodes, loss_i = list(runner.index), runner.loss_i
+    writes_fixed, param_grad, grad_last = _writes_fixed(gm, run), _param_grad_bytes(run), _grad_last_users(run)
+    costs = []
+    for i in range(loss_i + 1):
+        r, is_loss = runner.rec[i], i == loss_i
         why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "")
-        node_costs.append(NodeCost(
+        costs.append(NodeCost(
             name=LOSS if is_loss else nodes[i].name,
             target=LOSS if is_loss else _target_name(gm, nodes[i]),
             module="" if is_loss else _module_of(nodes[i]),
@@ -371,47 +415,28 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
             grad_bytes=int(r["grad_bytes"]), grad_last_user=grad_last[i],
             param_grad_bytes=param_grad[i], recomputable=not why, why_not=why,
         ))
-    storages = tuple(
-        StorageCost(b, p, tuple(sorted(mode.users.get(s, ()))), tuple(sorted(runner.holders.get(s, ()))),
-                    s in outputs, tuple(sorted(mode.mutated.get(s, ()))))
+    return tuple(costs)
+
+
+def _storage_costs(run: _Run) -> tuple[StorageCost, ...]:
+    mode, holders = run.mode, run.runner.holders
+    return tuple(
+        StorageCost(b, p, tuple(sorted(mode.users.get(s, ()))), tuple(sorted(holders.get(s, ()))),
+                    s in run.held, tuple(sorted(mode.mutated.get(s, ()))))
         for s, (b, p) in enumerate(zip(mode.bytes, mode.producer))
     )
-    cg = CostGraph(
-        nodes=tuple(node_costs), storages=storages,
-        fixed_bytes=sum(st.nbytes() for st in {id(s): s for s in fixed_storages}.values()),
-        region_s=rates.region_s, sac_op_s=rates.sac_op_s,
-        param_bytes=sum(st.nbytes() for st in {id(p.untyped_storage()): p.untyped_storage() for p in grad_params.values()}.values()),
-        meta={"torch": torch.__version__, "nodes": len(nodes), "loss": "given" if loss_fn else "stand-in",
-              "mutated_buffers": mutated_buffers, "keep_output": keep_output,
-              "deterministic_ops": sorted(deterministic_ops), "device": device.type},
-    )
-    # Calibrate: whatever the measured backward peak of a node holds beyond the model's account.
-    # The meter counted the tensors the step read but did not make (`late`) only from their first read.
-    late = cg.fixed_bytes - fixed_at_start
+
+
+def _calibrated(cg: CostGraph, run: _Run) -> CostGraph:
+    """Whatever the measured backward peak of a node holds beyond the model's account becomes its
+    `bwd_extra_bytes`. The meter counted the tensors the step read but did not make (`late`)
+    only from their first read."""
+    late = cg.fixed_bytes - _unique_bytes(run.mode.fixed_storages[:len(run.fake.fixed)])
     model_bwd = timeline(cg, ()).bwd
-    nodes_cal = tuple(replace(c, bwd_extra_bytes=max(0, bwd.get(i, 0) + late - model_bwd[i]))
-                      for i, c in enumerate(cg.nodes))
-    measured = max(mode.peak_bytes, max(bwd.values(), default=0)) + late
-    return replace(cg, nodes=nodes_cal, meta={**cg.meta, "measured_peak_bytes": measured})
-
-
-def graph_state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Parameters, buffers and tensor constants by qualified name (tied ones under every name)."""
-    named = dict(gm.named_parameters(remove_duplicate=False))
-    named.update(gm.named_buffers(remove_duplicate=False))
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.target not in named:
-            value = functools.reduce(getattr, n.target.split("."), gm)
-            if isinstance(value, torch.Tensor):
-                named[n.target] = value
-    return named
-
-
-def _loss(out, loss_fn):
-    if loss_fn is not None:
-        return loss_fn(out)
-    ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    return sum(t.float().exp().sum() for t in ts)
+    nodes = tuple(replace(c, bwd_extra_bytes=max(0, run.bwd.get(i, 0) + late - model_bwd[i]))
+                  for i, c in enumerate(cg.nodes))
+    measured = max(run.mode.peak_bytes, max(run.bwd.values(), default=0)) + late
+    return replace(cg, nodes=nodes, meta={**cg.meta, "measured_peak_bytes": measured})
 
 
 def _backward(loss: torch.Tensor, runner: _Runner) -> dict[int, int]:

@@ -33,19 +33,35 @@ def rng_preserved():
         yield
 
 
+def host_rng_state() -> tuple:
+    """Python's global RNG state and numpy's (None where numpy is not imported)."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def host_rng_moved(before: tuple) -> bool:
+    """Python's or numpy's RNG drew since `before` (a `host_rng_state`); numpy's is compared
+    only where it was imported then."""
+    if random.getstate() != before[0]:
+        return True
+    return before[1] is not None and repr(sys.modules["numpy"].random.get_state()) != repr(before[1])
+
+
+def set_host_rng_state(state: tuple) -> None:
+    random.setstate(state[0])
+    if state[1] is not None:
+        sys.modules["numpy"].random.set_state(state[1])
+
+
 @contextlib.contextmanager
 def host_rng_restored(drawn: list | None = None):
     """Python's and numpy's global RNG end as they began; appends to `drawn` whether the block
     drew from them. Checkpoint replays only torch's RNG, so a module that draws from these
     cannot be recomputed."""
-    np = sys.modules.get("numpy")
-    before = (random.getstate(), np.random.get_state() if np else None)
+    before = host_rng_state()
     try:
         yield
     finally:
         if drawn is not None:
-            drawn.append(random.getstate() != before[0]
-                         or (np is not None and repr(np.random.get_state()) != repr(before[1])))
-        random.setstate(before[0])
-        if np is not None:
-            np.random.set_state(before[1])
+            drawn.append(host_rng_moved(before))
+        set_host_rng_state(before)

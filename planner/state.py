@@ -1,4 +1,4 @@
-"""The state of a user's model that planning must leave as it found it: modes, buffers, tensors.
+"""The state of a user's model that planning must leave as it found it: modes, buffers, tensors, grads.
 
 Planning traces and profiles a *training* step: a model handed over in eval mode (as
 `from_pretrained` returns it) is planned as `model.train()` would leave it, since a captured
@@ -8,8 +8,11 @@ BatchNorm). Tracing may run real code on real tensors; whatever it changes is pu
 from __future__ import annotations
 
 import contextlib
+from typing import Iterable
 
 import torch
+
+from .rng import rng_preserved
 
 
 def mode_key(model: torch.nn.Module) -> tuple[str, ...]:
@@ -35,22 +38,63 @@ def training_modes(model: torch.nn.Module):
             m.training = training
 
 
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by qualified name (tied ones under every name)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+class Snapshot:
+    """Copies of some tensors' values, taken when it is made; `restore` writes them back. With
+    `versions`, only into the tensors written since (their version counters moved)."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], versions: bool = False):
+        self.tensors = list(tensors)
+        with torch.no_grad():
+            self.values = [t.detach().clone() for t in self.tensors]
+        self.versions = [t._version for t in self.tensors] if versions else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for k, (t, value) in enumerate(zip(self.tensors, self.values)):
+                if self.versions is None or t._version != self.versions[k]:
+                    t.copy_(value)
+
+
+@contextlib.contextmanager
+def buffers_restored(model: torch.nn.Module):
+    """`model`'s buffers (BatchNorm statistics) hold, after the block, the values they had before it."""
+    saved = Snapshot(model.buffers())
+    try:
+        yield
+    finally:
+        saved.restore()
+
+
+@contextlib.contextmanager
+def step_preserved(model: torch.nn.Module):
+    """A real step inside leaves no trace: gradients, buffers and every RNG are restored."""
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        with buffers_restored(model), rng_preserved():
+            yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+
+
 @contextlib.contextmanager
 def state_preserved(model: torch.nn.Module):
     """Buffers keep their values, and plain tensor attributes their objects (a forward pre-hook
     such as spectral_norm's sets `module.weight`) and values, whatever a trace or profile runs."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    versions = [b._version for b, _ in buffers]
-    attrs = [(m, k, v, v._version, v.detach().clone()) for m in model.modules() for k, v in vars(m).items()
-             if isinstance(v, torch.Tensor)]
+    buffers = Snapshot(model.buffers(), versions=True)
+    attrs = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+    values = Snapshot((v for _, _, v in attrs), versions=True)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for (b, saved), v in zip(buffers, versions):
-                if b._version != v:
-                    b.copy_(saved)
-            for m, k, v, version, saved in attrs:
-                m.__dict__[k] = v
-                if v._version != version:
-                    v.copy_(saved)
+        buffers.restore()
+        for m, k, v in attrs:
+            m.__dict__[k] = v
+        values.restore()

@@ -95,10 +95,6 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
 class LiveBytes(TorchDispatchMode):
     """Dispatch mode that tracks live storage bytes, their running peak, and who made them.
 

@@ -1,6 +1,11 @@
 """What a training step really costs: its peak on real tensors (`peak`) and the exact replay of a
-rewritten step on fake tensors (`replay`). Imports only the planner."""
-from .peak import allocator_peak, peak_memory, preserved
-from .replay import dry_run_peak, training_loss
+rewritten step on fake tensors (`replay`). Imports only the planner: the step's rules are
+planner.step's (`training_loss`), and a real step is undone by planner.state's `step_preserved`
+(exported here as `preserved`)."""
+from planner.state import step_preserved as preserved
+from planner.step import training_loss
+
+from .peak import allocator_peak, peak_memory
+from .replay import dry_run_peak
 
 __all__ = ["peak_memory", "allocator_peak", "preserved", "dry_run_peak", "training_loss"]

@@ -1,14 +1,12 @@
 """The real peak memory of a training step: live tensor bytes on CPU, the allocator's on CUDA."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
-from planner.rng import rng_preserved
 from planner.storage import LiveBytes
 
 
@@ -70,18 +68,3 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
         peak = max(peak, held)
     return sum(resident.values()) + peak
 
-
-@contextlib.contextmanager
-def preserved(model: torch.nn.Module):
-    """Real steps leave no trace: gradients, buffers (BatchNorm statistics) and the CPU RNG are restored."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with rng_preserved():
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in grads.items():
-            p.grad = g

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from planner.errors import UnsafePlanError
 from planner.profile import compute_nodes, draws_random
 from planner.result import Plan, Region
+from planner.state import Snapshot
 
 _SAVE = threading.local()
 
@@ -64,19 +65,15 @@ class _Rewound:
     forward (and everything since) left: the recompute computes what the forward did, and
     updates nothing a second time."""
 
-    def __init__(self, tensors: list[torch.Tensor], seen: list[torch.Tensor]):
-        self.tensors, self.seen = tensors, seen
+    def __init__(self, seen: Snapshot):
+        self.seen = seen
 
     def __enter__(self):
-        with torch.no_grad():
-            self.left = [t.detach().clone() for t in self.tensors]
-            for t, s in zip(self.tensors, self.seen):
-                t.copy_(s)
+        self.left = Snapshot(self.seen.tensors)
+        self.seen.restore()
 
     def __exit__(self, *exc):
-        with torch.no_grad():
-            for t, s in zip(self.tensors, self.left):
-                t.copy_(s)
+        self.left.restore()
         self.left = None
         return False
 
@@ -94,14 +91,12 @@ def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):
     (see `_Rewound`); `recompute_ctx` (a SAC context) runs inside it."""
     if not tensors:
         return recompute_ctx or contextlib.nullcontext()
-    with torch.no_grad():
-        seen = [t.detach().clone() for t in tensors]
-    return _rewound(recompute_ctx or contextlib.nullcontext(), tensors, seen)
+    return _rewound(recompute_ctx or contextlib.nullcontext(), Snapshot(tensors))
 
 
 @contextlib.contextmanager
-def _rewound(recompute_ctx, tensors: list[torch.Tensor], seen: list[torch.Tensor]):
-    with _Rewound(tensors, seen), recompute_ctx:
+def _rewound(recompute_ctx, seen: Snapshot):
+    with _Rewound(seen), recompute_ctx:
         yield
 
 

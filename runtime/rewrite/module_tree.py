@@ -19,9 +19,10 @@ from planner.errors import InfeasibleBudgetError
 from planner.fit import replay_margin
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
-from planner.state import training_modes
+from planner.state import step_preserved, training_modes
+from planner.step import run_step, training_loss
 
-from ..measure import peak_memory, preserved, training_loss
+from ..measure import peak_memory
 from .graph import rewinding
 
 PATH = "module tree"
@@ -53,8 +54,8 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
 def measure_step(model, args, kwargs, loss_fn, names) -> int:
     """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored)."""
     def step():
-        training_loss(model(*args, **kwargs), loss_fn).backward()
-    with preserved(model), checkpointing(model, names):
+        run_step(lambda: model(*args, **kwargs), lambda out: training_loss(out, loss_fn))
+    with step_preserved(model), checkpointing(model, names):
         for p in model.parameters():
             p.grad = None           # the step's own grads are counted, not the ones it started with
         return peak_memory(step, model, *args, *kwargs.values())

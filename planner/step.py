@@ -1,0 +1,90 @@
+"""The rules of the training step remat plans: `loss_fn(model(*inputs)).backward()`.
+
+One definition each, used by the profile, the module-tree profile, the exact replay and every
+real step the runtime measures: the loss (`training_loss`), the order of forward, loss and
+backward, with the output released once the loss is computed (`run_step`), and the fake step's
+setup: the model on fake copies of its tensors, under a FakeTensorMode (`fake_step`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .rng import rng_preserved
+from .state import named_tensors
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    """The tensors among the leaves of a pytree, in order."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def training_loss(out, loss_fn=None) -> torch.Tensor:
+    """`loss_fn(out)`; without one, a stand-in loss that keeps one tensor of each output's size
+    for backward (exp saves its result, as cross-entropy keeps its log-softmax), so that a plan
+    leaves room for a loss."""
+    if loss_fn is not None:
+        return loss_fn(out)
+    return sum(t.float().exp().sum() for t in tensors(out) if t.requires_grad)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def run_step(forward: Callable[[], object], loss: Callable[[object], torch.Tensor],
+             backward: Callable[[torch.Tensor], object] = _backward, keep_output: bool = False):
+    """`backward(loss(forward()))`, the output released once the loss is computed (what the loss
+    saves stays) unless `keep_output`: the caller holds it through backward, and gets it back.
+    Returns (what `backward` returned, the output or None)."""
+    out = forward()
+    value = loss(out)
+    if not keep_output:
+        out = None
+    result = backward(value)
+    del value
+    return result, out
+
+
+def graph_state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and tensor constants by qualified name (tied ones under every name)."""
+    named = named_tensors(gm)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target not in named:
+            value = functools.reduce(getattr, n.target.split("."), gm)
+            if isinstance(value, torch.Tensor):
+                named[n.target] = value
+    return named
+
+
+@dataclass(frozen=True)
+class FakeState:
+    """What a fake step runs on, made by `fake_step`."""
+    real: dict[str, torch.Tensor]      # the graph's real parameters, buffers and constants by name
+    state: dict[str, torch.Tensor]     # their fake copies, under the same names
+    inputs: object                     # the fake inputs, structured as the real ones
+    fixed: list[torch.Tensor]          # the fake state and input tensors: live the whole step
+    made_from: list[torch.Tensor]      # the real tensor each of `fixed` was made from
+
+
+@contextlib.contextmanager
+def fake_step(gm: fx.GraphModule, inputs):
+    """Inside, `gm` holds fake copies of its parameters, buffers and constants (`graph_state`),
+    under a FakeTensorMode that also takes real tensors (a loss target); yields a FakeState with
+    the fake inputs. Every RNG ends as it began."""
+    real = graph_state(gm)      # tensor constants too: a graph may write one in place
+    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        state = {k: fake.from_tensor(v) for k, v in real.items()}
+        fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
+        step = FakeState(real, state, fake_in, list(state.values()) + tensors(fake_in),
+                         list(real.values()) + tensors(inputs))
+        with _reparametrize_module(gm, state):
+            yield step
