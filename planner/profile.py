@@ -303,7 +303,8 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         nodes=_node_costs(gm, run, rates), storages=_storage_costs(run),
         fixed_bytes=_unique_bytes(run.mode.fixed_storages), region_s=rates.region_s, sac_op_s=rates.sac_op_s,
         param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
-        meta={"torch": torch.__version__, "nodes": len(run.runner.index), "loss": "given" if loss_fn else "stand-in",
+        meta={"torch": torch.__version__, "nodes": len(run.runner.index),
+              "loss": "given" if loss_fn is not None else "stand-in",
               "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,
               "deterministic_ops": sorted(deterministic_ops), "device": device.type},
     )

@@ -1,9 +1,9 @@
 """The rules of the training step remat plans: `loss_fn(model(*inputs)).backward()`.
 
-One definition each, used by the profile, the module-tree profile, the exact replay and every
-real step the runtime measures: the loss (`training_loss`), the order of forward, loss and
-backward, with the output released once the loss is computed (`run_step`), and the fake step's
-setup: the model on fake copies of its tensors, under a FakeTensorMode (`fake_step`).
+One definition of each, for the profile, the module-tree profile, the exact replay and the
+runtime's real steps: the loss (`training_loss`); forward, loss and backward in that order, the
+output released once the loss is computed (`run_step`); and the fake step's setup, the model on
+fake copies of its tensors under a FakeTensorMode (`fake_step`, profile and replay).
 """
 from __future__ import annotations
 
