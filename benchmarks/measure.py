@@ -1,6 +1,6 @@
-"""Running and measuring one training step: result check, median time. Compiled steps are
-metered with runtime.measure.allocator_peak (the profiler's allocator events: Dynamo falls back
-to eager under a TorchDispatchMode)."""
+"""One training step of a strategy's model, its result checked against the unplanned eager step
+(float32, and float64 for compiled code), and step times taken round-robin (median). Peaks are
+metered elsewhere: runtime.measure.peak_memory, or allocator_peak for compiled steps."""
 from __future__ import annotations
 
 import copy

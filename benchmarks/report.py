@@ -12,16 +12,8 @@ import torch
 
 from .exact import MAX_NODES
 
-ROCKMATE = """Rockmate is not a strategy here: it does not run with torch 2.13 on CPU. Tried on this
-machine in a throwaway venv (torch 2.13.0+cpu from the project's venv), never a project dependency:
-- `pip install rockmate` installs rockmate 2.0.0 with rkgb 2.0.0 (and pins pulp==2.7.0);
-  `import rockmate` fails: `ModuleNotFoundError: No module named 'rkgb.core'` (the rkgb 2.0.0
-  package on PyPI ships only `rkgb/__init__.py` and `rkgb/rkgb.py`).
-- `pip install rockmate==1.0.1 rkgb==1.0.1` (pulls gurobipy 13.0.3, restricted license) imports,
-  but rk-GB measures time and memory only on CUDA ("measuring memory can only be done with cuda"):
-  on CPU every block's measured memory and time is 0, and `Rockmate(mlp, inputs, budget=30e6)`
-  never returned: its rotor dynamic program (`csolve_dp_functionnal`) was still running after
-  90 s (500 s in a first try), where our planner plans that model in seconds."""
+ROCKMATE = """Rockmate is not a strategy here: it does not run with torch 2.13 on CPU (what was tried:
+benchmarks/results/2026-12-01-solver-notes.md)."""
 
 
 COMPILE = """torch.compile: the unplanned model compiled (Inductor, CPU) with
@@ -36,7 +28,7 @@ see the toy check below, compiled with Inductor's default RNG."""
 
 
 REMAT_COMPILE = """remat + torch.compile: `plan_and_wrap(model, budget, compile=True)`, as a user
-calls it (runtime/compiled.py). The planner plans plain regions only (no SAC), the rewritten graph
+calls it (runtime/rewrite/compiled.py). The planner plans plain regions only (no SAC), the rewritten graph
 compiles whole (each region is Dynamo's checkpoint op: no graph breaks; the notes count graphs
 and breaks), and every plan it tries is compiled and its step measured at the allocator, because
 Inductor's partitioner decides what else the compiled step saves; the budget correction loop runs
@@ -132,8 +124,9 @@ def document(argv, rows, meters, exacts, notes: list[str], plots: list[Path]) ->
     if exacts:
         parts += [f"## Optimality gap against the exact ILP optimum (graphs of at most {MAX_NODES} nodes)",
                   "Every node boundary a cut, no span limit, zero gap, no node limit, 300 s limit; recompute of"
-                  " both plans simulated with planner.simulate.timeline. The ILP's memory model bounds the simulator's"
-                  " from above, so a known plan the simulator admits can beat the ILP optimum (negative gap).",
+                  " both plans simulated with planner.simulate.timeline. The ILP's memory model is the simulator's"
+                  " (NOTE [ ILP ]), so no plan beats the exact optimum beyond CBC's tolerance of about a byte per"
+                  " MB of budget; a negative gap can only come from that.",
                   exact_table(exacts)]
     parts += ["## Notes", COMPILE, REMAT_COMPILE, "\n".join(f"- {n}" for n in notes), ROCKMATE]
     if plots:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
+import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -120,6 +122,26 @@ class RematModule(torch.nn.Module):
         self._compile = compile                # torch.compile kwargs: plans are for the compiled step
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
+
+    def __getstate__(self):
+        """Pickled (torch.save) without its plans: they hold traced graphs, and are made again for
+        the loaded model at its first training call. A loss_fn that cannot be pickled (a closure)
+        is left out, with a warning: the loaded model then plans with the stand-in loss (room for
+        a tensor of the output's size) until `set_loss_fn` gives it one."""
+        state = dict(self.__dict__)
+        state["_plans"], state["_last"] = {}, None
+        if self._loss_fn is not None:
+            try:
+                pickle.dumps(self._loss_fn)
+            except Exception as e:
+                warnings.warn(f"RematModule pickled without its loss_fn ({type(e).__name__}: {e}); after loading, "
+                              "pass it again with set_loss_fn(loss_fn)", stacklevel=2)
+                state["_loss_fn"] = None
+        return state
+
+    def set_loss_fn(self, loss_fn: Callable | None) -> None:
+        """The loss the plans are made for; plans made for another loss are dropped."""
+        self._loss_fn, self._plans, self._last = loss_fn, {}, None
 
     def train(self, mode: bool = True) -> "RematModule":
         super().train(mode)

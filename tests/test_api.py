@@ -1,10 +1,14 @@
 """The user-facing contract: errors, lazy and per-shape planning, state, eval/no_grad, opaque modules."""
 
+import io
+import logging
+import re
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner import InfeasibleBudgetError, TraceError, analyze, plan
+from planner import ForwardError, InfeasibleBudgetError, TraceError, analyze, plan
 from runtime import peak_memory, plan_and_wrap
 from runtime import examples
 
@@ -221,3 +225,72 @@ def test_modules_drawing_python_random_numbers_are_not_recomputed():
     drops = [c for c in cg.nodes if c.target.startswith("_PythonLayerDrop")]
     assert len(drops) == 2 and all(not c.recomputable and "Python" in c.why_not and c.random for c in drops)
     assert [c.recomputable for c in cg.nodes if c.target.startswith("Linear")] == [True]
+
+
+# ------------------------------------------------------------------ budgets as people write them
+def test_budget_strings_are_the_cli_forms():
+    ex = examples.mlp(batch=256, width=256, depth=6)   # floor: 66% of its peak
+    unplanned = plan_and_wrap(ex.model, 10.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn).plan.unplanned_peak_bytes
+    w = plan_and_wrap(ex.model, "80%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    assert w.plan.budget_bytes == int(0.8 * unplanned) and w.plan.regions
+    mib = plan_and_wrap(ex.model, f"{unplanned / 2**20:.3f}MiB", example_inputs=ex.inputs, loss_fn=ex.loss_fn)
+    assert mib.plan.budget_bytes == int(float(f"{unplanned / 2**20:.3f}") * 2**20) and not mib.plan.regions
+
+
+def test_the_floor_in_the_message_fits_when_typed_back_in():
+    """The smallest feasible budget is printed rounded up, in the unit the budget was written in,
+    with the prediction it comes from: following the advice works."""
+    ex = examples.mlp(batch=256, width=256, depth=6)   # floor: 66% of its peak
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_and_wrap(ex.model, "1MiB", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    message = str(e.value)
+    assert "exact replay" in message
+    floor = re.search(r"at least ([0-9.]+ MiB)", message).group(1)
+    assert float(floor.split()[0]) * 2**20 >= e.value.min_feasible_bytes
+    w = plan_and_wrap(ex.model, floor.replace(" ", ""), example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    assert w.plan.predicted_peak_bytes <= w.plan.budget_bytes
+
+
+def test_a_forward_that_raises_is_the_models_own_error():
+    class Buggy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) @ self.missing
+
+    with pytest.raises(ForwardError, match="Buggy.forward raises .*AttributeError.*the model's own error"):
+        plan_and_wrap(Buggy(), 1.0, example_inputs=(torch.randn(2, 4),))
+
+
+def test_a_pickled_wrapped_model_loads_and_trains_identically():
+    ex = examples.mlp(batch=256, width=256, depth=6)   # floor: 66% of its peak
+    w = plan_and_wrap(ex.model, "80%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    buf = io.BytesIO()
+    with pytest.warns(UserWarning, match="without its loss_fn"):      # a closure: not picklable
+        torch.save(w, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    loaded.set_loss_fn(ex.loss_fn)
+    for m in (w, loaded):
+        ex.loss_fn(m(*ex.inputs)).backward()
+    assert loaded.plan.regions == w.plan.regions
+    for p, q in zip(w.parameters(), loaded.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_fallbacks_are_logged(caplog):
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(x) if x.sum() > 0 else self.a(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Branchy(), torch.nn.Linear(8, 2))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        analyze(model, (torch.randn(4, 8).abs(),))
+    said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("remat"))
+    assert "opaque node" in said and "1" in said

@@ -1,7 +1,10 @@
 """The solver layer on hand-built CostGraphs with known optima, and on random ones against brute
 force over every plan (no torch)."""
 import math
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 from conftest import ilp_peaks_of_random_plans
@@ -247,3 +250,21 @@ def test_sac_off_binds_every_plan(case):
         opts = PlanOptions(solve=SolveOptions(time_limit_s=4.0, sac=sac))
         saved[sac] = [any(r.saved for r in solve_plan(cg, c.budget(f), opts).regions) for f in (0.3, 0.5, 0.7)]
     assert any(saved[True]) and not any(saved[False])
+
+
+PURE_CORE = ("costgraph", "simulate", "candidates", "baselines", "improve", "solve", "fit", "result", "budget",
+             "units", "rates", "options", "errors")
+
+
+def test_the_pure_core_imports_without_torch():
+    """The solver layer is plain data and math: importable (and usable) where torch cannot be."""
+    code = ("import sys; sys.modules['torch'] = None\n"          # `import torch` now raises ImportError
+            f"import importlib; [importlib.import_module('planner.' + m) for m in {PURE_CORE!r}]\n"
+            "from planner import Region, SolveOptions, solve_plan, parse_budget\n"
+            "assert parse_budget('24GB').value == 24e9 and 'torch' not in [m for m in sys.modules if sys.modules[m]]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import planner.api"],
+                       capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and "torch" in r.stderr          # the check can fail: the torch side needs torch

@@ -2,13 +2,14 @@
 
 Under `torch.compile` a plain region (one that keeps no nodes) becomes Dynamo's checkpoint op
 inside the one graph (runtime.rewrite), and AOTAutograd's partitioner decides what else the
-compiled step saves between regions. That is not the eager step the fake replay models:
-Inductor can save more (a compiled unplanned ResNet with BatchNorm peaks 3 MB above eager) or
-less. So `CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the
-model rewritten with the regions asked about, runs two real steps on the example inputs (the
-first compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at
-the allocator. The planner's budget correction loop (planner.api._fit) then works on measured
-compiled peaks, and the compiled module of the chosen plan is kept for training.
+compiled step saves between regions. That is not the eager step the fake replay models: Inductor
+can save more or less (benchmarks/results/2026-12-01-solver-notes.md has a case). So
+`CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the model
+rewritten with the regions asked about, runs two real steps on the example inputs (the first
+compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at the
+allocator. The planner's budget correction loop (planner.fit, NOTE [ budget correction ]) then
+works on measured compiled peaks, and the compiled module of the chosen plan is kept for
+training.
 
 This runs real steps at the real size: the machine planning must have the memory of the step.
 """
@@ -27,7 +28,7 @@ class CompiledReplay:
 
     what = "the compiled step, measured at the allocator (a real step per plan tried)"
     eager = False       # the simulator does not model it, not even the unplanned step
-    rounds = 6          # solves the budget correction may take (planner.api._fit)
+    rounds = 6          # solves the budget correction may take (planner.fit, NOTE [ budget correction ])
 
     def __init__(self, model: torch.nn.Module, analysis, loss_fn, compile_kwargs: dict):
         self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
