@@ -18,8 +18,14 @@ def _run(module, inputs, seed=123):
     return module(*inputs)
 
 
-def test_registry():
-    assert set(EXAMPLES) == {"gpt2", "mlp", "resnet", "unet"}
+def test_every_built_in_is_a_cli_model(capsys):
+    """The names the CLI takes are the registry's: each one loads, and an unknown name lists them all."""
+    from runtime.cli.session import UsageError, load_model
+    for name in EXAMPLES:
+        assert load_model(name).label == f"built-in {name}"
+    with pytest.raises(UsageError) as e:
+        load_model("no-such-model")
+    assert all(name in str(e.value) for name in EXAMPLES)
 
 
 def test_trace_matches_eager(example):
