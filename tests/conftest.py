@@ -188,3 +188,11 @@ def zoo_case():
             _ZOO[name] = Planned(name, ZOO[name]())
         return _ZOO[name]
     return get
+
+
+def pytest_collection_modifyitems(items):
+    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf")."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, str) and v.startswith("hf-") for v in params.values()):
+            item.add_marker(pytest.mark.hf)

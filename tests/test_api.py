@@ -22,6 +22,7 @@ def test_bad_budget_is_a_value_error(bad):
         plan_and_wrap(ex.model, bad, example_inputs=ex.inputs)
 
 
+@pytest.mark.slow
 def test_budget_too_small_names_the_smallest_feasible(case):
     c = case("gpt2")
     with pytest.raises(InfeasibleBudgetError) as e:
@@ -43,6 +44,7 @@ def test_no_parameters_or_no_inputs_are_clear_errors():
         plan(lambda x: x, 1.0, example_inputs=(torch.randn(2),))
 
 
+@pytest.mark.slow
 def test_state_dict_parameters_and_optimizer_are_the_originals():
     ex = examples.gpt2(n_layer=2)
     model = ex.model
@@ -61,6 +63,7 @@ def test_state_dict_parameters_and_optimizer_are_the_originals():
     wrapped.load_state_dict(fresh.state_dict())
 
 
+@pytest.mark.slow
 def test_lazy_planning_and_a_plan_per_shape():
     ex = examples.gpt2(n_layer=2, seq_len=64)
     wrapped = plan_and_wrap(ex.model, 0.01, loss_fn=None, options=FAST)
@@ -77,6 +80,7 @@ def test_lazy_planning_and_a_plan_per_shape():
     assert any("no loss_fn given" in n for n in first.notes)
 
 
+@pytest.mark.slow
 def test_eval_and_no_grad_run_the_original_model(case):
     ex = examples.resnet()
     ref = examples.resnet().model
@@ -149,7 +153,7 @@ def test_whole_model_untraceable_is_a_trace_error():
         analyze(Top(), (torch.randn(2, 4),))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet", "unet", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("gpt2", "resnet", "unet")] + ["mlp"])
 def test_profile_is_exact_on_flops_and_unplanned_peak(case, name):
     c = case(name)
     ex = c.example
@@ -163,6 +167,7 @@ def test_profile_is_exact_on_flops_and_unplanned_peak(case, name):
     assert measured <= predicted <= 1.02 * measured
 
 
+@pytest.mark.slow
 def test_plans_gpt2_small_shape_without_allocating_it():
     """12 layers, d=768, seq 1024, batch 10: the real step needs ~32 GB, more than this machine's
     24 GiB; planning happens on fake tensors (timings are the benchmark's business)."""

@@ -154,6 +154,7 @@ def bad_runs(models, tmp_path_factory):
     return {name: finish(p) for name, p in procs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_input(bad_runs, name):
     r = bad_runs[name]
@@ -171,6 +172,7 @@ def test_bad_input_in_process(models, capsys, name):
     assert out == "" and message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sweep_without_matplotlib(bad_runs):
     r = bad_runs["no matplotlib"]
     assert r.returncode == 2
@@ -178,6 +180,7 @@ def test_sweep_without_matplotlib(bad_runs):
 
 
 # ------------------------------------------------------------------ report
+@pytest.mark.slow
 def test_report_builtin_table():
     r = remat("report", "--budget", "40%", *FAST)
     assert r.returncode == 0, r.stderr
@@ -191,6 +194,7 @@ def test_report_builtin_table():
     assert "tracing and profiling" in r.stderr       # progress on stderr
 
 
+@pytest.mark.slow
 def test_report_json_kwargs_factory(models):
     r = remat("report", f"{models}:make_kwargs", "--budget", "70%", "--json", *FAST)
     assert r.returncode == 0, r.stderr
@@ -205,6 +209,7 @@ def test_report_json_kwargs_factory(models):
 
 
 # ------------------------------------------------------------------ check
+@pytest.mark.slow
 def test_check_fits_and_measures(models):
     r = remat("check", f"{models}:make", "--budget", "80%", "--measure", *FAST)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -212,6 +217,7 @@ def test_check_fits_and_measures(models):
     assert len(r.stdout.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_check_compiled_measures_the_compiled_step(models):
     """--compile: plain regions planned against the compiled step's measured peak, which is
     measured again afresh (--measure) and is within the budget."""
@@ -226,6 +232,7 @@ def test_check_compiled_measures_the_compiled_step(models):
     assert any("compiled step" in n for n in plan["notes"])
 
 
+@pytest.mark.slow
 def test_check_too_small(models):
     text, js = start("check", f"{models}:make", "--budget", "1%", *FAST), \
         start("check", f"{models}:make", "--budget", "1%", "--json", *FAST)
@@ -238,6 +245,7 @@ def test_check_too_small(models):
     assert "raise the budget to at least" in text.stdout
 
 
+@pytest.mark.slow
 def test_check_overhead_cap(models):
     r = remat("check", f"{models}:make", "--budget", "70%", "--max-overhead", "1%", "--json", *FAST)
     assert r.returncode == 1
@@ -246,6 +254,7 @@ def test_check_overhead_cap(models):
 
 
 # ------------------------------------------------------------------ sweep
+@pytest.mark.slow
 def test_sweep_json_plots_measured(models, tmp_path):
     out = tmp_path / "plots"
     r = remat("sweep", f"{models}:make", "--budgets", "60%..100%", "--steps", "2", "--measure",
@@ -265,6 +274,7 @@ def test_sweep_json_plots_measured(models, tmp_path):
         assert png_size(path) == (900, 500)
 
 
+@pytest.mark.slow
 def test_sweep_table(models, tmp_path):
     r = remat("sweep", f"{models}:make", "--budgets", "0.5MB..3MB", "--steps", "2", "--no-plot", *FAST)
     assert r.returncode == 0, r.stderr
@@ -299,6 +309,7 @@ def test_assert_fits_tight_and_tiny_budgets():
         assert_fits(model, (x,), 1e-5, time_limit_s=3)
 
 
+@pytest.mark.slow
 def test_report_names_the_graph_path_for_zoo_models():
     r = remat("report", "benchmarks/zoo_models.py:lstm_lm", "--budget", "95%", *FAST)
     assert r.returncode == 0, r.stderr

@@ -13,7 +13,7 @@ from runtime.measure import peak_memory
 
 from conftest import FAST
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 
 def _compiled(name, budget_bytes):

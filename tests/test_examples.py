@@ -96,6 +96,7 @@ def test_unet_output_shape():
         assert model(x).shape == (x.size(0), 1, x.size(2), x.size(3))
 
 
+@pytest.mark.slow
 def test_gpt2_small_parameter_count():
     model = gpt2(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=8, vocab=50257).model
     n_params = sum(p.numel() for p in model.parameters())

@@ -27,7 +27,7 @@ def random_plans(cg, n: int, seed: int):
         yield tuple(sorted(chosen, key=lambda r: r.start))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet", "unet", "mlp"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("gpt2", "resnet", "unet")] + ["mlp"])
 def test_simulated_peak_bounds_the_exact_replay(case, name):
     c = case(name)
     a, ex = c.analysis, c.example
@@ -46,7 +46,7 @@ def test_exact_replay_of_the_unplanned_step_equals_the_profile(case):
     assert dry_run_peak(gm, a.example_inputs, ex.loss_fn) == timeline(a.cost_graph, ()).peak_bytes
 
 
-@pytest.mark.parametrize("name", ["gpt2", "unet"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("unet", marks=pytest.mark.slow)])
 def test_ilp_peak_is_the_simulated_peak(case, name):
     """The ILP's memory model is the simulator's (NOTE [ ILP ]): for fixed regions, the least
     budget it admits is the simulated peak (CBC's tolerances: about a byte per MB)."""

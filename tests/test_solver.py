@@ -243,6 +243,7 @@ def test_local_search_scores_plans_as_the_simulator_does(seed):
         assert judge.peak(chosen) == timeline(cg, tuple(c.region for c in chosen)).peak_bytes
 
 
+@pytest.mark.slow
 def test_sac_off_binds_every_plan(case):
     """SolveOptions(sac=False): no region keeps nodes, whether from the ILP, the local search or a
     known plan; with SAC on, the same budgets do pick regions that keep nodes."""

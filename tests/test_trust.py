@@ -89,6 +89,7 @@ def _mean_square(_model):
     return lambda out: out.pow(2).mean()
 
 
+@pytest.mark.slow
 def test_a_model_wrapped_in_eval_mode_trains_in_train_mode():
     torch.manual_seed(0)
     model = DropoutBN()
@@ -189,6 +190,7 @@ def test_a_module_writing_a_tensor_attribute_while_traced_is_opaque():
     _same_training(ref, wrapped, (x,), lambda m: (lambda out: out.sum()))
 
 
+@pytest.mark.slow
 def test_spectral_norm_recomputes_from_the_vectors_its_forward_saw():
     torch.manual_seed(0)
     model = _spectral_net()
@@ -208,7 +210,7 @@ def _spectral_net():
                          nn.Linear(64, 4))
 
 
-@pytest.mark.parametrize("loss", ["mse", "smooth_l1", "bce", "l1", "cross_entropy"])
+@pytest.mark.parametrize("loss", ["mse"] + [pytest.param(n, marks=pytest.mark.slow) for n in ("smooth_l1", "bce", "l1", "cross_entropy")])
 def test_tensors_the_loss_closes_over_are_in_the_budget(loss):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
@@ -341,6 +343,7 @@ class _Null:
         return False
 
 
+@pytest.mark.slow
 def test_a_module_fake_tensors_cannot_run_is_profiled_for_real():
     """BatchNorm(momentum=None) reads float(num_batches_tracked): opaque, not an error."""
     torch.manual_seed(0)
@@ -401,7 +404,7 @@ class InPlaceOnView(nn.Module):
         return h.relu_()
 
 
-@pytest.mark.parametrize("block", [TransposedNorm, InPlaceOnView])
+@pytest.mark.parametrize("block", [pytest.param(TransposedNorm, marks=pytest.mark.slow), InPlaceOnView])
 def test_layouts_and_views_the_fake_step_misses_are_in_the_prediction(block):
     torch.manual_seed(0)
     model = nn.Sequential(*[block() for _ in range(6)], nn.Linear(16, 4))
