@@ -18,7 +18,7 @@ _EXPORTS = {
     "CostGraph": "costgraph", "Plan": "result", "Region": "result", "SolveOptions": "options",
     "DeviceRates": "rates",
     "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
-    "BudgetError": "errors", "ForwardError": "errors",
+    "BudgetError": "errors", "ForwardError": "errors", "PlanMismatchError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -68,8 +68,21 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
                                  path="fx with opaque leaves" if traced.path == "fx" else traced.path)
     _say_how(model, traced)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
-                           "trace_attempts": [list(a) for a in traced.attempts]})
+                           "trace_attempts": [list(a) for a in traced.attempts],
+                           "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
+
+
+def input_signature(named: dict) -> dict:
+    """The graph's inputs by name as a plan records them (JSON): shape and dtype of tensors, the
+    value of anything else; what a plan made elsewhere is checked against (runtime.apply)."""
+    out = {}
+    for k, v in named.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+        else:
+            out[k] = {"value": repr(v)}
+    return out
 
 
 def _say_how(model: torch.nn.Module, traced: Traced) -> None:
@@ -99,7 +112,7 @@ def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=
     ((), True)
     """
     budget = as_budget(budget)
-    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.rates, keep_output=options.keep_output,
+    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.device_rates(), keep_output=options.keep_output,
                 deterministic_ops=options.deterministic_ops)
     try:
         return solve_plan(a.cost_graph, budget.bytes_of(unplanned_peak_bytes(a.cost_graph, options)), options,

@@ -82,3 +82,7 @@ class UnsafePlanError(RematError):
 
 class BudgetError(RematError, ValueError):
     """A budget that is not one: not a size, not positive, an unknown unit."""
+
+
+class PlanMismatchError(RematError, ValueError):
+    """A saved plan applied to a model or inputs it was not made for; the message says what differs."""

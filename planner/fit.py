@@ -74,10 +74,10 @@ class _Problem(NamedTuple):
 
 
 def replay_margin(options: PlanOptions, device: str) -> float:
-    """The margin added to replayed peaks (PlanOptions.replay_margin; by the device type)."""
+    """The margin added to replayed peaks (PlanOptions.replay_margin; by the target device's type)."""
     if options.replay_margin is not None:
         return options.replay_margin
-    return 0.0 if device in ("cpu", "meta") else 0.01
+    return 0.0 if (options.target_device or device) in ("cpu", "meta") else 0.01
 
 
 def unplanned_peak_bytes(cg: CostGraph, options: PlanOptions = PlanOptions()) -> int:

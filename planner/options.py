@@ -29,6 +29,15 @@ class PlanOptions:
     replay_margin: float | None = None
     find_min_feasible: bool = True  # also solve for the smallest feasible budget (one more ILP)
     rates: DeviceRates | None = None  # device speed for recompute-time estimates (default: by device)
+    # the device the step will train on, when planning elsewhere ("cuda" for a model built on
+    # `meta` on a laptop): its rates and its replay margin; None: the example inputs' device
+    target_device: str | None = None
+
+    def device_rates(self) -> DeviceRates | None:
+        """The rates to estimate recompute time with (None: the profile takes the inputs' device's)."""
+        if self.rates is not None:
+            return self.rates
+        return DeviceRates.for_device(self.target_device) if self.target_device else None
     # The step is `loss_fn(model(x)).backward()`: the output is released once the loss is computed
     # (HF Trainer, Lightning). True if your loop holds the output through backward (`out = model(x);
     # loss_fn(out).backward()` with `out` still referenced): its bytes are then in the budget too.

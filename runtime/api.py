@@ -13,12 +13,15 @@ from torch.utils._pytree import tree_flatten
 
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget
-from planner.errors import InfeasibleBudgetError, TraceError
+from planner.api import input_signature
+from planner.errors import InfeasibleBudgetError, PlanMismatchError, TraceError
 from planner.fit import DEFAULT_ROUNDS, unplanned_peak_bytes
+from planner.profile import compute_nodes
 from planner.result import Plan
 from planner.simulate import timeline
-from planner.state import mode_key, training_modes
-from planner.trace import MEASURED_WHY
+from planner.rng import rng_preserved
+from planner.state import mode_key, state_preserved, training_modes
+from planner.trace import MEASURED_WHY, capture
 
 from .measure import dry_run_peak
 from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
@@ -170,10 +173,30 @@ class RematModule(torch.nn.Module):
         self._last = key
         return self._plans[key][0]
 
+    def use_plan(self, plan: Plan, *args, **kwargs) -> Plan:
+        """Train inputs like these with `plan` (made elsewhere: `Plan.from_json`), without
+        re-planning. Raises PlanMismatchError, saying what differs, when the model's graph or the
+        inputs are not the ones the plan was made for."""
+        model = self._model[0]
+        key = _shape_key(args, kwargs, model)
+        if plan.trace_path == "module tree":
+            missing = [n for n in plan.node_names if n not in dict(model.named_modules())]
+            if missing:
+                raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
+            self._plans[key] = (plan, None, None)
+        else:
+            with rng_preserved(), training_modes(model), state_preserved(model):
+                traced = capture(model, args, kwargs)
+                named = traced.inputs(model, args, kwargs)
+            _check_matches(plan, traced, named)
+            self._plans[key] = (plan, rewrite_plan(model, traced.gm, plan), traced)
+        self._last = key
+        return plan
+
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
         try:
-            a = analyze(model, args, kwargs, self._loss_fn, self._options.rates,
+            a = analyze(model, args, kwargs, self._loss_fn, self._options.device_rates(),
                         keep_output=self._options.keep_output, deterministic_ops=self._options.deterministic_ops)
         except TraceError as e:             # no graph at all: plan over the module tree
             if self._compile is not None:
@@ -202,6 +225,30 @@ class RematModule(torch.nn.Module):
             gm.train(self.training)
         with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views
             return gm(**traced.inputs(model, args, kwargs))
+
+
+def _check_matches(plan: Plan, traced, named: dict) -> None:
+    """The captured graph and inputs are the plan's: same capture path, nodes (names, in order,
+    and what they call) and input shapes and dtypes; else a PlanMismatchError naming the first
+    difference."""
+    if traced.path != plan.trace_path:
+        raise PlanMismatchError(f"the plan was made on a graph captured by {plan.trace_path}; this model is "
+                                f"captured by {traced.path}")
+    names = [n.name for n in compute_nodes(traced.gm)]
+    planned = list(plan.node_names[:len(plan.node_names) - 1])      # the last node is the loss
+    for i, (a, b) in enumerate(zip(planned, names)):
+        if a != b:
+            raise PlanMismatchError(f"the graph differs from the plan's at node {i}: the plan has {a!r}, this "
+                                    f"model {b!r} (another model, config or code version?)")
+    if len(planned) != len(names):
+        raise PlanMismatchError(f"the plan covers {len(planned)} nodes, this model's graph has {len(names)}")
+    got = input_signature(named)
+    for name, want in plan.meta.get("inputs", {}).items():
+        if "shape" in want and (got.get(name, {}).get("shape"), got.get(name, {}).get("dtype")) != \
+                (want["shape"], want["dtype"]):
+            have = got.get(name)
+            raise PlanMismatchError(f"input {name!r}: the plan was made for shape {want['shape']} {want['dtype']}, "
+                                    f"got {have and have.get('shape')} {have and have.get('dtype')}")
 
 
 def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
@@ -240,4 +287,16 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs)
     if example_inputs is not None or example_kwargs is not None:
         wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
+    return wrapped
+
+
+def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kwargs=None,
+          loss_fn: Callable | None = None, options: PlanOptions = PlanOptions()) -> RematModule:
+    """Wrap `model` with a plan made elsewhere (on a laptop, on a `meta` copy of the model: see
+    `Plan.to_json` / `Plan.from_json`), for inputs shaped like the plan's; no re-planning. The
+    example inputs (real, fake or meta tensors of the training shapes) are traced to check that
+    graph and inputs are the plan's (PlanMismatchError otherwise). Inputs of other shapes are
+    planned as plan_and_wrap does, for the plan's budget."""
+    wrapped = RematModule(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)
+    wrapped.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
     return wrapped

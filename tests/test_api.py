@@ -299,3 +299,33 @@ def test_fallbacks_are_logged(caplog):
         analyze(model, (torch.randn(4, 8).abs(),))
     said = " ".join(r.getMessage() for r in caplog.records if r.name.startswith("remat"))
     assert "opaque node" in said and "1" in said
+
+
+# ------------------------------------------------------------------ plans made elsewhere
+def test_a_plan_made_on_meta_applies_to_the_real_model():
+    """Planned without memory (weights and inputs on `meta`, rates of the target device), saved
+    as JSON, applied on the training machine without re-planning; a different model or input
+    shape is refused with what differs."""
+    from planner import Plan, PlanOptions, PlanMismatchError, solve_plan
+    from planner.fit import unplanned_peak_bytes
+    from runtime import apply
+    with torch.device("meta"):
+        meta = examples.mlp(batch=256, width=256, depth=6)
+    a = analyze(meta.model, meta.inputs, None, meta.loss_fn)
+    p = solve_plan(a.cost_graph, int(0.8 * unplanned_peak_bytes(a.cost_graph)), PlanOptions(target_device="cuda"))
+    assert p.regions and [v["shape"] for v in p.meta["inputs"].values()] == [[256, 256]]
+    real = examples.mlp(batch=256, width=256, depth=6)
+    planned = plan_and_wrap(real.model, p.budget_bytes / 1e9, example_inputs=real.inputs, loss_fn=real.loss_fn)
+    w = apply(real.model, Plan.from_json(p.to_json()), example_inputs=real.inputs, loss_fn=real.loss_fn)
+    assert w.plan.regions == p.regions
+    grads = []
+    for m in (w, planned):
+        real.model.zero_grad(set_to_none=True)
+        real.loss_fn(m(*real.inputs)).backward()
+        grads.append([q.grad.clone() for q in real.model.parameters()])
+    assert all(torch.equal(g, h) for g, h in zip(*grads))     # checkpointing does not change the arithmetic
+    with pytest.raises(PlanMismatchError, match="shape"):
+        apply(real.model, p, example_inputs=(real.inputs[0][:128],))
+    with pytest.raises(PlanMismatchError, match="graph differs|covers"):
+        other = examples.mlp(batch=256, width=256, depth=5)
+        apply(other.model, p, example_inputs=other.inputs)
