@@ -3,7 +3,7 @@
 The pure core needs no torch: `costgraph`, `simulate` (the one liveness kernel), `candidates`,
 `baselines`, `improve`, `solve`, `fit` (solve_plan), `result`, `budget`, `units`, `rates`,
 `errors` (tests/test_solver.py imports them in a process where torch cannot be imported). The
-torch side captures and profiles a model: `trace`, `profile`, `opaque`, `modules`, `storage`,
+torch side captures and profiles a model: `trace`, `profile`, `opaque`, `modules`, `step`, `storage`,
 `state`, `rng`, and `api` (analyze, plan). Names are exported lazily, so importing the core
 does not import the torch side.
 """

@@ -17,8 +17,6 @@ import contextlib
 import inspect
 import io
 import logging
-import random
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,6 +25,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .errors import ForwardError, TraceError
+from .rng import host_rng_moved, host_rng_state
 
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
 # Modules whose CPU kernels hold memory that fake tensors do not see (the RNNs' fused kernels keep
@@ -86,15 +85,13 @@ def _tensor_versions(m: torch.nn.Module) -> list[int]:
 
 
 def _rng_state() -> tuple:
-    """Every global RNG a forward may draw from while being traced."""
-    state = [torch.random.get_rng_state(), random.getstate()]
-    if "numpy" in sys.modules:
-        state.append(repr(sys.modules["numpy"].random.get_state()))
-    return tuple(state)
+    """Every global RNG a forward may draw from while being traced: torch's CPU generator, and
+    Python's and numpy's (planner.rng)."""
+    return torch.random.get_rng_state(), host_rng_state()
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    return torch.equal(a[0], b[0]) and not host_rng_moved(a[1])
 
 
 class _LeafTracer(fx.Tracer):
