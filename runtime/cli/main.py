@@ -17,9 +17,15 @@ import math
 import os
 import re
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+# torch warns when it first looks for numpy and finds none (the minimal install: torch + pulp);
+# remat needs no numpy. This works only before torch is first imported: by the imports below,
+# as long as the `runtime` package's own __init__ does not import torch first.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions
 from planner.errors import BudgetError
@@ -326,6 +332,9 @@ def _glue_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     # a failing op under fake tensors is logged with a traceback before it is raised; we report it in one line
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    # the profiler that meters compiled steps at the allocator prints its start and stop on stderr
+    # (kineto's USDT lines, level 5); kineto reads this when the profiler is first used
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         a = parser().parse_args(_glue_values(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:
