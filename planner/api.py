@@ -8,10 +8,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .budget import as_budget
-from .costgraph import CostGraph
+from .costgraph import CostGraph, accumulating, with_optimizer
 from .errors import InfeasibleBudgetError
 from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
 from .opaque import real_inputs
+from .optimizer import optimizer_memory
 from .profile import ValueDependent, profile
 from .rates import DeviceRates
 from .result import Plan
@@ -33,8 +34,13 @@ class Analysis:
 
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
             rates: DeviceRates | None = None, *, keep_output: bool = False,
-            deterministic_ops: frozenset = frozenset()) -> Analysis:
-    """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward).
+            deterministic_ops: frozenset = frozenset(), optimizer: torch.optim.Optimizer | None = None,
+            accumulation_steps: int = 1, target_device: str | None = None) -> Analysis:
+    """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward,
+    and `optimizer.step()` when an optimizer is given: its state and its step's temporaries are
+    measured on fake tensors, planner/optimizer.py, for a step on `target_device`). With
+    `accumulation_steps` > 1 the step planned is a micro-step after the first: every gradient
+    exists from its start (costgraph.accumulating).
 
     The step planned is a training step, whatever mode the model is in: a model in eval mode
     is profiled as `model.train()` would leave it (dropout on, BatchNorm updating its
@@ -50,6 +56,10 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         raise ValueError("no example inputs: pass example_inputs=(...) or example_kwargs={...}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no training step to plan")
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     t0 = time.perf_counter()
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced = capture(model, args, kwargs)
@@ -67,6 +77,10 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
                 traced = replace(traced, opaque=traced.opaque + ((e.module, f"needs tensor values, which fake tensors do not have ({e.why})"),),
                                  path="fx with opaque leaves" if traced.path == "fx" else traced.path)
     _say_how(model, traced)
+    if optimizer is not None:
+        mem = optimizer_memory(optimizer, target_device)
+        cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
+    cg = accumulating(cg, accumulation_steps)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts],
                            "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
@@ -99,11 +113,20 @@ def _say_how(model: torch.nn.Module, traced: Traced) -> None:
         log.info("%s: %s is planned as one opaque node: %s", name, module, why)
 
 
+def analyze_for(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn, options: PlanOptions,
+                optimizer: torch.optim.Optimizer | None = None) -> Analysis:
+    """`analyze` with what `options` says about the step (rates, output, ops, accumulation)."""
+    return analyze(model, args, kwargs, loss_fn, options.device_rates(), keep_output=options.keep_output,
+                   deterministic_ops=options.deterministic_ops, optimizer=optimizer,
+                   accumulation_steps=options.accumulation_steps, target_device=options.target_device)
+
+
 def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,
-         loss_fn=None, options: PlanOptions = PlanOptions()) -> Plan:
+         loss_fn=None, options: PlanOptions = PlanOptions(), optimizer: torch.optim.Optimizer | None = None) -> Plan:
     """Plan checkpoint regions so that one training step of `model` fits `budget`: a number of GB
-    (10^9 bytes) or a string ('24GB', '8GiB', '40%' of the unplanned peak). Predicted by the
-    simulator (plus `options.safety_margin`); `runtime.plan_and_wrap` also replays the plan exactly.
+    (10^9 bytes) or a string ('24GB', '8GiB', '40%' of the unplanned peak). With `optimizer`,
+    the step includes `optimizer.step()` (its state and temporaries). Predicted by the simulator
+    (plus `options.safety_margin`); `runtime.plan_and_wrap` also replays the plan exactly.
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
@@ -112,8 +135,7 @@ def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=
     ((), True)
     """
     budget = as_budget(budget)
-    a = analyze(model, example_inputs, example_kwargs, loss_fn, options.device_rates(), keep_output=options.keep_output,
-                deterministic_ops=options.deterministic_ops)
+    a = analyze_for(model, example_inputs, example_kwargs, loss_fn, options, optimizer)
     try:
         return solve_plan(a.cost_graph, budget.bytes_of(unplanned_peak_bytes(a.cost_graph, options)), options,
                           a.traced.opaque)

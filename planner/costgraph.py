@@ -8,7 +8,7 @@ See NOTE [ liveness ] in planner/simulate.py for how these numbers become a memo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,38 @@ class CostGraph:
     meta: dict = field(default_factory=dict)  # provenance: model, shapes, torch version
     region_s: float = 0.0     # estimated fixed cost of one checkpoint region
     sac_op_s: float = 0.0     # estimated extra cost per op inside a region with a SAC policy
+    # the optimizer's step after backward (planner/optimizer.py): its peak above the fixed bytes
+    # (which then hold its state), the parameter gradients and the kept outputs; None: the step
+    # planned ends with backward
+    optimizer_step_bytes: int | None = None
 
     def __post_init__(self):
         n = len(self.nodes)
         for s in self.storages:
             assert 0 <= s.producer < n and all(s.producer <= u < n for u in s.users + s.holders)
+
+    def to_networkx(self):
+        """The graph with its costs as a networkx.MultiDiGraph: node i carries every NodeCost field
+        and `storages`, a (storage id, bytes, output) triple per storage it makes; each storage gives one edge
+        producer -> node per entry of its users (kind "user"), holders ("holder") and mutated_by
+        ("mutated_by"), keyed by (storage id, kind, position in that tuple), with `storage`, `bytes`,
+        `kind` and `output`. Graph attributes: fixed_bytes, param_bytes, region_s, sac_op_s, meta,
+        and n_storages (a storage nobody reads, holds or writes has no edge: its producer's `storages` has it)."""
+        import networkx as nx
+
+        g = nx.MultiDiGraph(fixed_bytes=self.fixed_bytes, param_bytes=self.param_bytes, region_s=self.region_s,
+                            sac_op_s=self.sac_op_s, meta=dict(self.meta), n_storages=len(self.storages))
+        made: list[list[tuple]] = [[] for _ in self.nodes]
+        for sid, s in enumerate(self.storages):
+            made[s.producer].append((sid, s.bytes, s.output))
+        for i, c in enumerate(self.nodes):
+            g.add_node(i, **asdict(c), storages=tuple(made[i]))
+        for sid, s in enumerate(self.storages):
+            for kind, ends in (("user", s.users), ("holder", s.holders), ("mutated_by", s.mutated_by)):
+                for k, v in enumerate(ends):
+                    g.add_edge(s.producer, v, key=(sid, kind, k), storage=sid, bytes=s.bytes, kind=kind,
+                               output=s.output)
+        return g
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -73,4 +100,26 @@ class CostGraph:
             meta=d.get("meta", {}),
             region_s=d.get("region_s", 0.0),
             sac_op_s=d.get("sac_op_s", 0.0),
+            optimizer_step_bytes=d.get("optimizer_step_bytes"),
         )
+
+
+def with_optimizer(cg: CostGraph, state_bytes: int, step_bytes: int, name: str = "") -> CostGraph:
+    """The step followed by an optimizer step: its state live from the start (fixed), its step's
+    temporaries after backward (planner/optimizer.py measures both)."""
+    return replace(cg, fixed_bytes=cg.fixed_bytes + state_bytes, optimizer_step_bytes=step_bytes,
+                   meta={**cg.meta, "optimizer": name, "optimizer_state_bytes": state_bytes,
+                         "optimizer_step_bytes": step_bytes})
+
+
+def accumulating(cg: CostGraph, steps: int) -> CostGraph:
+    """A micro-step of gradient accumulation after the first (the largest): every parameter
+    gradient exists from the start (fixed), and each backward's new gradient lives only until
+    it is added in place to the existing one (at its node: backward working memory)."""
+    if steps <= 1:
+        return cg
+    grads = sum(c.param_grad_bytes for c in cg.nodes)
+    nodes = tuple(replace(c, param_grad_bytes=0, bwd_extra_bytes=c.bwd_extra_bytes + c.param_grad_bytes)
+                  for c in cg.nodes)
+    return replace(cg, nodes=nodes, fixed_bytes=cg.fixed_bytes + grads,
+                   meta={**cg.meta, "accumulation_steps": steps, "accumulated_grad_bytes": grads})

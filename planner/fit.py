@@ -229,4 +229,10 @@ def _finish(cg: CostGraph, p: Plan) -> Plan:
     notes = [f"{c.name}: not recomputable ({c.why_not})" for c in cg.nodes[:-1] if not c.recomputable]
     if cg.meta.get("loss") == "stand-in":
         notes.append("no loss_fn given: room is reserved for a loss that keeps one tensor of the output's size")
-    return replace(p, notes=tuple(notes), meta=dict(cg.meta))
+    if cg.optimizer_step_bytes is not None:
+        notes.append(f"the step ends with {cg.meta.get('optimizer', 'the optimizer')}.step(): its state "
+                     f"({cg.meta.get('optimizer_state_bytes', 0)} bytes) is live throughout")
+    if cg.meta.get("accumulation_steps", 1) > 1:
+        notes.append(f"a micro-step of {cg.meta['accumulation_steps']}-step gradient accumulation: every gradient "
+                     "is live from its start")
+    return replace(p, notes=tuple(notes), meta={**cg.meta, "peak_phase": timeline(cg, p.regions).phase})

@@ -35,7 +35,7 @@ class Judge:
     def __init__(self, cg: CostGraph):
         self.n = len(cg.nodes)
         base = base_liveness(cg)
-        self.fwd, self.bwd = base.fwd, base.bwd
+        self.fwd, self.bwd, self.opt = base.fwd, base.bwd, base.opt
         self.bytes: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.held: list[tuple[int, tuple[int, ...]]] = []
@@ -73,7 +73,7 @@ class Judge:
             b = self.bytes[sid]
             fd[self.last[sid] + 1] += b
             bd[q] += b
-        peak = f = k = 0
+        peak, f, k = self.opt, 0, 0           # the optimizer's step: the same under every plan
         fwd, bwd = self.fwd, self.bwd
         for t in range(n):
             f += fd[t]

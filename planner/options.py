@@ -45,3 +45,6 @@ class PlanOptions:
     # ops outside torch's namespaces ("mylib::fused_mlp") that draw no random numbers; any other
     # such op is treated as random: never kept by a SAC region
     deterministic_ops: frozenset = frozenset()
+    # gradient accumulation: with k > 1 the step planned is a micro-step after the first, every
+    # gradient live from its start (the optimizer, when given, steps after the last)
+    accumulation_steps: int = 1

@@ -48,6 +48,11 @@ class Plan:
         return self.meta.get("trace_path", "fx")
 
     @property
+    def peak_phase(self) -> str:
+        """The part of the step that holds the peak (simulated): forward, backward or optimizer step."""
+        return self.meta.get("peak_phase", "")
+
+    @property
     def extra_compute_pct(self) -> float:
         return 100.0 * self.recompute_s / self.forward_s if self.forward_s else 0.0
 
@@ -68,7 +73,7 @@ class Plan:
             f"budget {gb(self.budget_bytes)} | predicted peak {gb(self.predicted_peak_bytes)}"
             f" (unplanned {gb(self.unplanned_peak_bytes)}"
             + (f", smallest feasible {gb(self.min_feasible_bytes)}" if self.min_feasible_bytes else "")
-            + ")",
+            + ")" + (f", held by the {self.peak_phase}" if self.peak_phase else ""),
             f"recompute {self.recompute_flops / 1e9:.2f} GFLOP of {self.total_flops / 1e9:.2f} GFLOP forward;"
             f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward",
             f"solver {self.solver}: {self.status}, gap {self.gap:.1%}, {self.solve_s:.2f} s",

@@ -21,6 +21,8 @@ Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_ext
   W(t)       = the recompute working set of t's region: storages made in R by non-saved nodes
                and held by nodes of R, from the region's first unpack (top(R), the last holder)
                until the backward of their lowest holder in R.
+After backward, when the step planned has one, the optimizer steps: live are F (its state among
+them), every parameter grad, the kept outputs and the step's measured temporaries.
 At top(R), the recomputation itself runs: its peak is the recomputed storages made so far, plus
 region intermediates still to be read, plus the node's fwd_extra. The step's peak is the maximum
 over both passes. Recompute cost: nodes of R up to top(R), less the saved ones (torch stops
@@ -42,10 +44,17 @@ class Timeline:
     bwd: tuple[int, ...]      # peak live bytes during each node's backward
     recompute_flops: int
     recompute_s: float
+    opt: int = 0              # peak live bytes during the optimizer's step (0: none planned)
 
     @property
     def peak_bytes(self) -> int:
-        return max(max(self.fwd), max(self.bwd))
+        return max(max(self.fwd), max(self.bwd), self.opt)
+
+    @property
+    def phase(self) -> str:
+        """The part of the step that holds the peak: "forward", "backward" or "optimizer step"."""
+        top = self.peak_bytes
+        return "forward" if max(self.fwd) == top else ("backward" if max(self.bwd) == top else "optimizer step")
 
 
 class Base(NamedTuple):
@@ -56,6 +65,8 @@ class Base(NamedTuple):
                                 # plus outputs kept to the end of forward
     bwd: tuple[int, ...]        # F + G_param(t) + G_act(t) + outputs + bwd_extra_t
     crossing: tuple[int, ...]   # bytes made at <= i and read at > i: live across the cut after node i
+    opt: int = 0                # the optimizer's step: F + all parameter grads + outputs + its
+                                # temporaries (0 when the step planned has none)
 
 
 class Recompute(NamedTuple):
@@ -85,9 +96,13 @@ def base_liveness(cg: CostGraph) -> Base:
         _prefix_add(bwd_d, i, c.grad_last_user, c.grad_bytes)
         _prefix_add(bwd_d, 0, i, c.param_grad_bytes)
     outputs, bwd_live, live = _cumsum(fwd_d), _cumsum(bwd_d), _cumsum(between) + [0]
+    opt = 0
+    if cg.optimizer_step_bytes is not None:
+        opt = (cg.fixed_bytes + sum(c.param_grad_bytes for c in cg.nodes) + cg.optimizer_step_bytes
+               + sum(s.bytes for s in cg.storages if s.output))
     return Base(tuple(cg.fixed_bytes + live[t] + outputs[t] + cg.nodes[t].fwd_extra_bytes for t in range(n)),
                 tuple(cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)),
-                tuple(live[i + 1] for i in range(n)))
+                tuple(live[i + 1] for i in range(n)), opt)
 
 
 def region_index(n: int, regions: tuple[Region, ...]) -> list[int]:
@@ -159,7 +174,7 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
             outside = bwd[rc.top] - rc.work[rc.top - r.start] - cg.nodes[rc.top].bwd_extra_bytes
             bwd[rc.top] = max(bwd[rc.top], outside + rc.peak)
         flops, secs = flops + rc.flops, secs + rc.seconds
-    return Timeline(fwd, tuple(bwd), flops, secs)
+    return Timeline(fwd, tuple(bwd), flops, secs, base.opt)
 
 
 def region_recompute(cg: CostGraph, r: Region) -> Recompute:

@@ -22,6 +22,8 @@ reason at q; z at its last point says s is kept at all.
 at its start <= h): valid at integer points, and it tightens the LP relaxation a lot.
 [Forward] at node t:  Base^f_t + J_t <= B,   Base^f_t = F + e_t + sum_{p_s < t <= last(s)} b_s (+ outputs),
                      J_t = sum_{last(s) < t} b_s k_s            (kept: live to the end of forward)
+[Optimizer] F + all parameter grads + outputs + the optimizer step's temporaries <= B (a
+constant: the same under every plan; present when the step planned ends with optimizer.step()).
 [Backward] at node t: Base^b_t + K_t + sum_{X contains t} x_X w_X(t) <= B,
                      K_t = sum_s b_s z_{s, last point <= t}
 where Base^b_t = F + G_param(t) + G_act(t) + bwd_extra_t (+ outputs) (both bases are
@@ -226,6 +228,8 @@ def _budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, line
     """[Forward] and [Backward]: live bytes at every node, each pass, at most B."""
     n = len(cg.nodes)
     base = base_liveness(cg)
+    if base.opt:                          # the optimizer's step: the same under every plan
+        _at_most(prob, base.opt * _MB, B)
     work_max = [max((cands[j].work[t - cands[j].region.start] for j in covering[t]), default=0) * _MB
                 for t in range(n)]
     fc = bc = fm = bm = 0.0

@@ -76,15 +76,21 @@ class FakeState:
 
 
 @contextlib.contextmanager
-def fake_step(gm: fx.GraphModule, inputs):
+def fake_step(gm: fx.GraphModule, inputs, grads: bool = False):
     """Inside, `gm` holds fake copies of its parameters, buffers and constants (`graph_state`),
     under a FakeTensorMode that also takes real tensors (a loss target); yields a FakeState with
-    the fake inputs. Every RNG ends as it began."""
+    the fake inputs. `grads`: every trainable parameter starts with a gradient (a micro-step of
+    gradient accumulation after the first), live the whole step. Every RNG ends as it began."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
     with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         state = {k: fake.from_tensor(v) for k, v in real.items()}
         fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
-        step = FakeState(real, state, fake_in, list(state.values()) + tensors(fake_in),
+        existing = []
+        if grads:
+            for v in {id(v): v for v in state.values() if v.requires_grad and v.is_leaf}.values():
+                v.grad = torch.zeros_like(v)
+                existing.append(v.grad)
+        step = FakeState(real, state, fake_in, list(state.values()) + tensors(fake_in) + existing,
                          list(real.values()) + tensors(inputs))
         with _reparametrize_module(gm, state):
             yield step

@@ -13,12 +13,12 @@ from torch.utils._pytree import tree_flatten
 
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget
-from planner.api import input_signature
+from planner.api import analyze_for, input_signature
 from planner.errors import InfeasibleBudgetError, PlanMismatchError, TraceError
 from planner.fit import DEFAULT_ROUNDS, unplanned_peak_bytes
 from planner.profile import compute_nodes
 from planner.result import Plan
-from planner.simulate import timeline
+from planner.simulate import base_liveness, timeline
 from planner.rng import rng_preserved
 from planner.state import mode_key, state_preserved, training_modes
 from planner.trace import MEASURED_WHY, capture
@@ -50,11 +50,15 @@ class ExactReplay:
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
 
     def __call__(self, regions) -> int:
-        a = self.analysis
+        """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
+        or the optimizer's step when that is higher (the same under every plan)."""
+        a, meta = self.analysis, self.analysis.cost_graph.meta
         with training_modes(self.model):             # the step planned is a training step (planner.state)
-            gm = rewrite(self.model, a.traced.gm, regions, self.names, a.cost_graph.meta, self.opaque)
+            gm = rewrite(self.model, a.traced.gm, regions, self.names, meta, self.opaque)
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
-                                    keep_output=a.cost_graph.meta.get("keep_output", False))
+                                    keep_output=meta.get("keep_output", False),
+                                    grads=meta.get("accumulation_steps", 1) > 1)
+        replayed = max(replayed + meta.get("optimizer_state_bytes", 0), base_liveness(a.cost_graph).opt)
         return max(replayed, timeline(a.cost_graph, regions).peak_bytes) if self.kernels else replayed
 
 
@@ -116,13 +120,14 @@ class RematModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, loss_fn: Callable | None,
-                 options: PlanOptions, compile: dict | None = None):
+                 options: PlanOptions, compile: dict | None = None, optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
         adopt(self, model)
         self._model = (model,)                 # tuples keep these out of the module tree
         self.train(model.training)
         self._budget, self._loss_fn, self._options = budget, loss_fn, options
         self._compile = compile                # torch.compile kwargs: plans are for the compiled step
+        self._optimizer = optimizer            # its state and step are in the budget
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
 
@@ -196,15 +201,15 @@ class RematModule(torch.nn.Module):
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
         try:
-            a = analyze(model, args, kwargs, self._loss_fn, self._options.device_rates(),
-                        keep_output=self._options.keep_output, deterministic_ops=self._options.deterministic_ops)
+            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer)
         except TraceError as e:             # no graph at all: plan over the module tree
             if self._compile is not None:
                 raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
                                           "compile (the module tree is planned, eagerly)") from e
             log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
                         type(model).__name__, e.cause)
-            return plan_modules(model, args, kwargs, self._loss_fn, self._budget, self._options, e.cause), None, None
+            return (plan_modules(model, args, kwargs, self._loss_fn, self._budget, self._options, e.cause,
+                                 self._optimizer), None, None)
         budget_bytes = self._budget.bytes_of(unplanned_peak_bytes(a.cost_graph, self._options))
         if self._compile is not None:
             return _plan_compiled(model, a, budget_bytes, self._loss_fn, self._options, self._compile)
@@ -262,7 +267,7 @@ def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
 
 def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,
                   loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
-                  compile: bool | dict = False) -> RematModule:
+                  compile: bool | dict = False, optimizer: torch.optim.Optimizer | None = None) -> RematModule:
     """Wrap `model` so that one training step fits `budget` at the least recompute: a number of GB
     (10^9 bytes) or a string as the CLI takes it ('24GB', '8GiB', '500MB', or '40%' of the step's
     unplanned peak, resolved per input shape).
@@ -270,7 +275,10 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     With example inputs the plan is made now (errors surface here); without, at the first call.
     The budget covers parameters, gradients, inputs, activations and the loss: pass `loss_fn`
     (output -> scalar) to have the loss planned exactly, else room is left for a loss that keeps
-    one tensor of the output's size.
+    one tensor of the output's size. Pass `optimizer` (over the model's parameters, configured as
+    it will train) to budget the whole step: its state, live throughout, and `optimizer.step()`'s
+    temporaries after backward, measured on fake tensors. `options.accumulation_steps` > 1 plans
+    a micro-step of gradient accumulation (every gradient live from its start).
 
     `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
@@ -284,7 +292,7 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     ((), True)
     """
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
-    wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs)
+    wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs, optimizer)
     if example_inputs is not None or example_kwargs is not None:
         wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
     return wrapped

@@ -329,3 +329,35 @@ def test_a_plan_made_on_meta_applies_to_the_real_model():
     with pytest.raises(PlanMismatchError, match="graph differs|covers"):
         other = examples.mlp(batch=256, width=256, depth=5)
         apply(other.model, p, example_inputs=other.inputs)
+
+
+# ------------------------------------------------------------------ the whole step
+@pytest.mark.parametrize("accumulation", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation):
+    """forward, backward (k micro-steps), optimizer.step(), zero_grad: measured on real tensors,
+    within the budget, and predicted to the byte (the optimizer's state and temporaries measured
+    on fake tensors, not by a formula)."""
+    from planner import PlanOptions
+    ex = examples.mlp(batch=256, width=256, depth=6)
+    opt = torch.optim.AdamW(ex.model.parameters())
+    ex.loss_fn(ex.model(*ex.inputs)).backward()
+    opt.step()                                         # the state exists, as in every later step
+    opt.zero_grad(set_to_none=True)
+    options = PlanOptions(accumulation_steps=accumulation, solve=FAST.solve)
+    free = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt, options=options)
+    without = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=options)
+    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values())
+    assert free.plan.predicted_peak_bytes >= without.plan.predicted_peak_bytes + state
+    w = plan_and_wrap(ex.model, int(0.85 * free.plan.predicted_peak_bytes) / 1e9, example_inputs=ex.inputs,
+                      loss_fn=ex.loss_fn, optimizer=opt, options=options)
+    assert w.plan.regions and w.plan.peak_phase in ("forward", "backward", "optimizer step")
+
+    def whole_step():
+        for _ in range(accumulation):
+            ex.loss_fn(w(*ex.inputs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tensors = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    measured = peak_memory(whole_step, ex.model, *ex.inputs, *tensors)
+    assert measured <= w.plan.budget_bytes
+    assert measured <= w.plan.predicted_peak_bytes <= 1.05 * measured

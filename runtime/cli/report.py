@@ -104,7 +104,8 @@ def report_text(plan: Plan, segs: list[Segment], label: str, budget_text: str) -
                                                      for path, why in plan.meta.get("trace_attempts", ())),
         f"budget         {size_text(plan.budget_bytes)} ({budget_text})",
         f"peak           {size_text(plan.unplanned_peak_bytes)} without a plan -> "
-        f"{size_text(plan.predicted_peak_bytes)} with it (-{pct:.1f}%){smallest}",
+        f"{size_text(plan.predicted_peak_bytes)} with it (-{pct:.1f}%){smallest}"
+        + (f"; held by the {plan.peak_phase}" if plan.peak_phase else ""),
         f"extra compute  {plan.extra_compute_pct:.1f}% of the forward: recompute "
         f"{plan.recompute_flops / 1e9:.3g} of {plan.total_flops / 1e9:.3g} GFLOP, "
         f"est. {plan.recompute_s * 1e3:.1f} ms",

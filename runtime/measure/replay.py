@@ -40,12 +40,13 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
 
 
 def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[str, ...] = (),
-                 examples: dict | None = None, keep_output: bool = False) -> int:
+                 examples: dict | None = None, keep_output: bool = False, grads: bool = False) -> int:
     """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs and
     every tensor the step reads, such as a loss target, included), the output released once the
-    loss is computed unless `keep_output`. `opaque` modules are stood in for by their measured
-    memory behaviour (planner.opaque)."""
-    with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs) as fake, \
+    loss is computed unless `keep_output`; `grads`: every parameter gradient exists from the
+    start (gradient accumulation). `opaque` modules are stood in for by their measured memory
+    behaviour (planner.opaque)."""
+    with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads) as fake, \
             LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
         run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
     return meter.peak_bytes

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from planner import PlanOptions
 from planner.budget import Budget
+from planner.optimizer import optimizer_memory
 from planner.errors import InfeasibleBudgetError
 from planner.fit import replay_margin
 from planner.modules import ModuleProfile, profile_modules, solve_units
@@ -51,23 +52,39 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
             del m.forward
 
 
-def measure_step(model, args, kwargs, loss_fn, names) -> int:
-    """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored)."""
+def measure_step(model, args, kwargs, loss_fn, names, grads: bool = False) -> int:
+    """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored);
+    `grads`: every trainable parameter starts with a gradient (gradient accumulation)."""
     def step():
         run_step(lambda: model(*args, **kwargs), lambda out: training_loss(out, loss_fn))
     with step_preserved(model), checkpointing(model, names):
         for p in model.parameters():
-            p.grad = None           # the step's own grads are counted, not the ones it started with
+            # the step's own grads are counted, not the ones it started with (but for accumulation)
+            p.grad = torch.zeros_like(p) if grads and p.requires_grad else None
         return peak_memory(step, model, *args, *kwargs.values())
 
 
+def _optimizer_phase(model, args, kwargs, optimizer, options: PlanOptions) -> tuple[int, int]:
+    """(the optimizer's state bytes, the peak of its step: parameters, buffers, inputs, grads,
+    state and its temporaries), or (0, 0) without an optimizer."""
+    if optimizer is None:
+        return 0, 0
+    mem = optimizer_memory(optimizer, options.target_device)
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))]
+    fixed = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+    grads = sum({id(p.untyped_storage()): p.untyped_storage().nbytes() for p in model.parameters()
+                 if p.requires_grad}.values())
+    return mem.state_bytes, fixed + grads + mem.state_bytes + mem.step_bytes
+
+
 def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget, options: PlanOptions,
-                 why: str) -> Plan:
+                 why: str, optimizer=None) -> Plan:
     """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
     the modes of the training step (planner.state). `budget`: bytes or a planner.budget.Budget
-    (a fraction is of the measured unplanned step)."""
+    (a fraction is of the measured unplanned step). With `optimizer`, its state is added to each
+    measured step and its step (planner.optimizer) is a phase of its own."""
     with training_modes(model):
-        return _plan_modules(model, args, kwargs, loss_fn, as_budget_bytes(budget), options, why)
+        return _plan_modules(model, args, kwargs, loss_fn, as_budget_bytes(budget), options, why, optimizer)
 
 
 def as_budget_bytes(budget):
@@ -75,12 +92,18 @@ def as_budget_bytes(budget):
 
 
 def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
-                  why: str) -> Plan:
+                  why: str, optimizer=None) -> Plan:
     t0 = time.perf_counter()
     prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]
     margin = 1.0 + replay_margin(options, next(model.parameters()).device.type)
-    measure = lambda chosen: math.ceil(measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen]) * margin)  # noqa: E731
+    state, opt_peak = _optimizer_phase(model, args, kwargs, optimizer, options)
+    grads = options.accumulation_steps > 1
+
+    def measure(chosen) -> int:
+        step = measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen], grads)
+        return math.ceil(max(step + state, opt_peak) * margin)
+
     unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
     budget_bytes = budget.bytes_of(unplanned)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
