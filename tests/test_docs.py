@@ -79,7 +79,7 @@ def test_cli_md_names_models_that_exist():
 # ------------------------------------------------------------------ the docs against the program
 @pytest.fixture(scope="module")
 def runs():
-    return run_all([e.command for e in FOUND], jobs=2)
+    return run_all([e.command for e in FOUND])   # one at a time: a solve near its time limit stays clear of it
 
 
 @pytest.mark.slow
