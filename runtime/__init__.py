@@ -1,6 +1,25 @@
-"""remat's runtime: rewrite a model by its Plan, measure real peaks, and the user-facing API."""
-from .api import RematModule, apply, plan_and_wrap
-from .measure import peak_memory
-from .rewrite import CheckpointRegion, rewrite
+"""remat's runtime: a Plan applied to the user's model, and the user's entry points.
 
-__all__ = ["plan_and_wrap", "apply", "RematModule", "peak_memory", "rewrite", "CheckpointRegion"]
+Names are exported lazily (as in planner/__init__): `remat` (runtime.cli) sets up its warning
+filters before torch is imported.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"plan_and_wrap": "api", "apply": "api", "RematModule": "api", "peak_memory": "measure",
+            "rewrite": "rewrite", "CheckpointRegion": "rewrite", "assert_fits": "testing"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -73,8 +73,6 @@ def test_no_numpy_warning_from_the_cli_module(no_numpy):
     assert r.stderr == ""
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/__init__.py imports torch (via .api) before runtime/cli/main.py "
-                                       "can filter the warning; fixed once that __init__ imports lazily")
 def test_no_numpy_warning_from_remat(no_numpy):
     r = run("report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy])
     assert r.returncode == 0, r.stderr
