@@ -318,3 +318,22 @@ def test_report_names_the_graph_path_for_zoo_models():
     r = remat("report", "benchmarks/zoo_models.py:early_exit", "--budget", "95%", *FAST)
     assert r.returncode == 2 and "GuardOnDataDependentSymNode" in r.stderr and "module tree" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_report_plans_a_hugging_face_config_on_meta_with_its_optimizer(tmp_path):
+    """`--hf-config`: a causal LM from a local config.json, on meta (no weights, no hub), bf16,
+    the whole step with AdamW and gradient accumulation, for a CUDA target."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512).to_json_file(tmp_path / "config.json")
+    r = remat("report", "--hf-config", tmp_path / "config.json", "--batch", "2", "--seq", "256", "--dtype", "bf16",
+              "--optimizer", "adamw", "--accumulation", "2", "--target-device", "cuda", "--budget", "85%", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "LlamaForCausalLM from" in r.stdout and "on meta" in r.stdout
+    assert re.search(r"held by the (forward|backward|optimizer step)", r.stdout)
+    assert "AdamW (foreach).step()" in r.stdout           # torch's default on the CUDA target
+    assert "2-step gradient accumulation" in r.stdout
+    bad = remat("report", "--hf-config", tmp_path / "config.json", "--optimizer", "lion", "--budget", "60%", *FAST)
+    assert bad.returncode == 2 and "--optimizer 'lion'" in bad.stderr

@@ -36,7 +36,7 @@ from . import plots
 from planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
 
 from .report import report_text, segments, table
-from .session import (Loaded, UsageError, load_model, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
+from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
                       solve_budget, unplanned_peak_bytes)
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
@@ -78,13 +78,32 @@ def _json(obj) -> str:
 
 # ----------------------------------------------------------------------------- commands
 def _options(a) -> PlanOptions:
-    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)))
+    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)),
+                       accumulation_steps=a.accumulation, target_device=a.target_device)
+
+
+def _load(a) -> Loaded:
+    """MODEL, or --hf-config with --batch/--seq/--dtype (a model on meta)."""
+    if a.hf_config:
+        if a.model:
+            raise UsageError("give MODEL or --hf-config, not both")
+        return hf_config_model(a.hf_config, a.batch, a.seq, a.dtype)
+    if a.model is None and a.command != "report":
+        raise UsageError("MODEL is required (or --hf-config)")
+    return load_model(a.model)
+
+
+def _profile(a, say) -> tuple[Loaded, Analysis]:
+    loaded = _load(a)
+    if a.optimizer and (getattr(a, "measure", False) or getattr(a, "compile", False)):
+        raise UsageError("--measure and --compile run real forward and backward steps only: drop --optimizer "
+                         "to run them")
+    return loaded, profile_model(loaded, say, _options(a), make_optimizer(a.optimizer, loaded.model))
 
 
 def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     budget = parse_budget(a.budget)
-    loaded = load_model(a.model)
-    analysis = profile_model(loaded, say)
+    loaded, analysis = _profile(a, say)
     budget_bytes = to_bytes(budget, unplanned_peak_bytes(analysis.cost_graph, _options(a)))
     say(f"solving for {size_text(budget_bytes, budget.unit)} ({budget.text()}) ...")
     return loaded, analysis, budget_bytes
@@ -234,8 +253,7 @@ def cmd_sweep(a, say) -> int:
     parse_budget_range(a.budgets)
     if not a.no_plot:
         _require_plots(a.out)
-    loaded = load_model(a.model)
-    analysis = profile_model(loaded, say)
+    loaded, analysis = _profile(a, say)
     unplanned_bytes = unplanned_peak_bytes(analysis.cost_graph, _options(a))
     budgets = _sweep_budgets(a, unplanned_bytes)
     points = []
@@ -287,6 +305,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="ILP time limit per solve, seconds (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout (implies --quiet)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--optimizer", metavar="NAME", help="the step ends with this optimizer's step (its state and "
+                   "temporaries in the budget): adamw, adam, sgd, sgd-momentum")
+    p.add_argument("--accumulation", type=_positive(int), default=1, metavar="K",
+                   help="gradient accumulation over K micro-steps (every gradient live from a micro-step's start)")
+    p.add_argument("--target-device", metavar="DEV", help="the device the step trains on, when planning elsewhere "
+                   "(cuda: its rates and margin)")
+    p.add_argument("--hf-config", metavar="JSON", help="instead of MODEL: a Hugging Face causal LM from a local "
+                   "config.json, built on meta (no weights)")
+    p.add_argument("--batch", type=_positive(int), default=1, help="with --hf-config: batch size (default 1)")
+    p.add_argument("--seq", type=_positive(int), default=2048, help="with --hf-config: sequence length (default 2048)")
+    p.add_argument("--dtype", default="bf16", help="with --hf-config: fp32, bf16 or fp16 (default bf16)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -297,13 +326,13 @@ def parser() -> argparse.ArgumentParser:
     report.add_argument("model", nargs="?", help=_MODEL_HELP + " (default gpt2)")
     report.add_argument("--budget", required=True, help=_BUDGET_HELP)
     check = sub.add_parser("check", help="exit 0 if the model's training step fits the budget, 1 if not")
-    check.add_argument("model", help=_MODEL_HELP)
+    check.add_argument("model", nargs="?", help=_MODEL_HELP)
     check.add_argument("--budget", required=True, help=_BUDGET_HELP)
     check.add_argument("--max-overhead", metavar="PCT",
                        help="fail if the estimated extra compute exceeds this, e.g. 25%%")
     check.add_argument("--measure", action="store_true", help="also run one real step and check its measured peak")
     sweep = sub.add_parser("sweep", help="the budget / extra-compute trade-off, as a table and PNG plots")
-    sweep.add_argument("model", help=_MODEL_HELP)
+    sweep.add_argument("model", nargs="?", help=_MODEL_HELP)
     sweep.add_argument("--budgets", required=True, metavar="LOW..HIGH", help="e.g. 20%%..100%% or 8GB..24GB")
     sweep.add_argument("--steps", type=_steps, default=6, help="budgets in the range, ends included (default 6)")
     sweep.add_argument("--out", default="remat-sweep", help="folder for tradeoff.png and memory.png")
@@ -329,6 +358,24 @@ def _glue_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _Say(logging.Handler):
+    def __init__(self, say):
+        super().__init__(logging.INFO)
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(record.getMessage())
+
+
+def _say_logs(say) -> None:
+    """The library's log (the `remat` logger: fallbacks, opaque modules) as progress lines on
+    stderr; none with --quiet or --json."""
+    log = logging.getLogger("remat")
+    log.handlers[:] = [_Say(say)]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     # a failing op under fake tensors is logged with a traceback before it is raised; we report it in one line
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -341,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     quiet = a.quiet or a.json
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    _say_logs(say)
     try:
         return {"report": cmd_report, "check": cmd_check, "sweep": cmd_sweep}[a.command](a, say)
     except (UsageError, BudgetError) as e:

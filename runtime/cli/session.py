@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
+from planner.api import analyze_for
 from planner.errors import BudgetError
 from planner.fit import unplanned_peak_bytes
 from planner.result import Plan
@@ -112,11 +113,45 @@ def model_code(what: str):
         raise ModelError(f"{what}: {type(e).__name__}: {first_line}") from e
 
 
-def profile_model(loaded: Loaded, say) -> Analysis:
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+              "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)}
+
+
+def make_optimizer(name: str | None, model: torch.nn.Module):
+    """`--optimizer NAME`: torch's optimizer with its defaults over the trainable parameters."""
+    if name is None:
+        return None
+    if name not in OPTIMIZERS:
+        raise UsageError(f"--optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return OPTIMIZERS[name](params) if name != "sgd" else torch.optim.SGD(params, lr=0.01)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_config_model(path: str, batch: int, seq: int, dtype: str) -> Loaded:
+    """A Hugging Face causal LM built from a local config.json on `meta` (no weights, no hub),
+    with a (batch, seq) batch of token ids as its inputs and labels: its loss is the model's."""
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if not Path(path).is_file():
+        raise UsageError(f"--hf-config {path!r} is not a file")
+    with model_code(f"cannot build a model from {path!r} (needs `pip install -e '.[hf]'`)"):
+        import transformers
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config).to(DTYPES[dtype]).train()
+            ids = torch.randint(config.vocab_size, (batch, seq))
+    label = f"{type(model).__name__} from {path} (batch {batch}, seq {seq}, {dtype}, on meta)"
+    return Loaded(model, (), {"input_ids": ids, "labels": ids}, lambda out: out.loss, label)
+
+
+def profile_model(loaded: Loaded, say, options: PlanOptions = PlanOptions(), optimizer=None) -> Analysis:
     say(f"tracing and profiling {loaded.label} on fake tensors ...")
     with model_code(f"cannot profile {loaded.label}"):
         try:
-            analysis = analyze(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn)
+            analysis = analyze_for(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, options, optimizer)
         except TraceError as e:
             raise ModelError(f"{e}. No graph, so no report here: plan_and_wrap still plans this model over "
                              "its module tree, measuring each choice with a real step") from e
