@@ -157,6 +157,10 @@ def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) 
     return ModuleProfile(obs.result(), meter.peak_bytes, forward_s[0])
 
 
+_US = 1e6       # seconds -> microseconds
+_TIE = 1e-9     # weight of the transient working set in the objective: a tie-break only
+
+
 def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10.0) -> tuple[int, ...] | None:
     """The least-time set of units whose estimated peak fits `budget_bytes` (None: none does).
 
@@ -166,7 +170,8 @@ def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10
     prob = pulp.LpProblem("units", pulp.LpMinimize)
     x = [pulp.LpVariable(f"x{k}", cat="Binary") for k in range(n)]
     z = pulp.LpVariable("z", lowBound=0)
-    prob += pulp.lpSum(u.time_s * 1e6 * x[k] for k, u in enumerate(prof.units)) + 1e-9 * z
+    # the objective in microseconds (CBC's tolerances suit that size); z only breaks ties
+    prob += pulp.lpSum(u.time_s * _US * x[k] for k, u in enumerate(prof.units)) + _TIE * z
     prob += (prof.peak_bytes - pulp.lpSum((u.freed_bytes - u.added_bytes) * x[k] for k, u in enumerate(prof.units))
              + z <= budget_bytes)
     for k, u in enumerate(prof.units):

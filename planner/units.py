@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 UNITS = {"gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "kb": 10**3, "kib": 2**10, "b": 1}
+_FLOAT_SLACK = 1e-9   # a value that is exact in decimal is not rounded up by its binary error
 SPELLING = {"gb": "GB", "gib": "GiB", "mb": "MB", "mib": "MiB", "kb": "kB", "kib": "KiB", "b": "B"}
 
 
@@ -20,5 +21,5 @@ def size_text(n_bytes: float, unit: str | None = None, round_up: bool = False) -
         return f"{math.ceil(value) if round_up else round(value)} B"
     digits = 2 if auto or not value else max(2, 3 - math.floor(math.log10(abs(value))))
     if round_up:
-        value = math.ceil(value * 10**digits - 1e-9) / 10**digits
+        value = math.ceil(value * 10**digits - _FLOAT_SLACK) / 10**digits
     return f"{value:.{digits}f} {unit}"
