@@ -24,7 +24,7 @@ from .result import Plan, Region
 from .simulate import timeline
 from .solve import solve_ilp, solve_min_peak
 
-SIMULATED = "simulated only (no exact replay)"
+SIMULATED = "the simulator, no exact replay"
 log = logging.getLogger("remat.planner")
 
 
