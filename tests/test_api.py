@@ -332,14 +332,20 @@ def test_a_plan_made_on_meta_applies_to_the_real_model():
 
 
 # ------------------------------------------------------------------ the whole step
-@pytest.mark.parametrize("accumulation", [1, pytest.param(3, marks=pytest.mark.slow)])
-def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation):
+@pytest.mark.parametrize("accumulation, variant", [(1, "fp32"), pytest.param(3, "fp32", marks=pytest.mark.slow),
+                                                    pytest.param(2, "bf16, half frozen", marks=pytest.mark.slow)])
+def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, variant):
     """forward, backward (k micro-steps), optimizer.step(), zero_grad: measured on real tensors,
     within the budget, and predicted to the byte (the optimizer's state and temporaries measured
-    on fake tensors, not by a formula)."""
+    on fake tensors, not by a formula); also with bf16 parameters and frozen ones (LoRA-like:
+    no grads, no optimizer state for them)."""
     from planner import PlanOptions
     ex = examples.mlp(batch=256, width=256, depth=6)
-    opt = torch.optim.AdamW(ex.model.parameters())
+    if variant != "fp32":
+        ex = ex._replace(model=ex.model.to(torch.bfloat16), inputs=(ex.inputs[0].to(torch.bfloat16),))
+        for p in list(ex.model.parameters())[:len(list(ex.model.parameters())) // 2]:
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in ex.model.parameters() if p.requires_grad])
     ex.loss_fn(ex.model(*ex.inputs)).backward()
     opt.step()                                         # the state exists, as in every later step
     opt.zero_grad(set_to_none=True)
