@@ -1,0 +1,131 @@
+"""The promise on a real accelerator: a ~1B-parameter decoder (bf16, AdamW) planned and trained at
+three budgets, predicted peak against `torch.cuda.max_memory_allocated`, step time against
+checkpointing every block. One prepared run of a few minutes for a session that has a GPU:
+
+    python benchmarks/gpu_check.py --out benchmarks/results/DATE-gpu.md      # on a CUDA device
+    python benchmarks/gpu_check.py --device cpu --tiny                        # the same code, small, on CPU
+
+Per budget (fractions of the way from the smallest feasible to the unplanned whole-step peak):
+plan with `plan_and_wrap(model, budget, optimizer=opt)`, train `--steps` whole steps (forward,
+backward, optimizer.step(), zero_grad), and record the allocator's peak of the last one and the
+median step time; then the same model with `gradient checkpointing` of every block (torch's
+non-reentrant checkpoint on each decoder layer) as the baseline. Timings never decide anything
+here: they are printed and saved.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
+from runtime import plan_and_wrap  # noqa: E402
+from runtime.examples import gpt2  # noqa: E402
+
+
+def _model(tiny: bool, device: torch.device):
+    """A GPT-2-style decoder: ~1.2B parameters (24 layers, d=2048, seq 2048, batch 4) or tiny."""
+    cfg = dict(n_layer=2, d_model=128, n_head=4, seq_len=64, batch=2, vocab=512) if tiny else \
+        dict(n_layer=24, d_model=2048, n_head=16, seq_len=2048, batch=4, vocab=50257)
+    ex = gpt2(**cfg, dropout=0.0)
+    model = ex.model.to(device=device, dtype=torch.bfloat16)
+    return ex._replace(model=model, inputs=tuple(x.to(device) for x in ex.inputs)), cfg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(model, ex, opt, steps: int, device: torch.device) -> tuple[int | None, float]:
+    """(allocator peak of the last whole step on CUDA, else None; median step seconds)."""
+    times, peak = [], None
+    for k in range(steps):
+        _sync(device)
+        if device.type == "cuda" and k == steps - 1:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        ex.loss_fn(model(*ex.inputs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if device.type == "cuda" and k == steps - 1:
+            peak = torch.cuda.max_memory_allocated(device)
+    return peak, statistics.median(times[1:] or times)
+
+
+class _EveryBlock(torch.nn.Module):
+    """Checkpoint every decoder block (what `gradient_checkpointing_enable()` does)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        for block in model.h:
+            block.forward = self._checkpointed(block.forward)
+
+    @staticmethod
+    def _checkpointed(forward):
+        return lambda *a, **kw: checkpoint(forward, *a, use_reentrant=False, **kw)
+
+    def forward(self, *args):
+        return self.model(*args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small model (to check the script on CPU)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    ex, cfg = _model(a.tiny, device)
+    params = sum(p.numel() for p in ex.model.parameters())
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-4)
+    _train(ex.model, ex, opt, 1, device)                  # the optimizer's state exists from here on
+    options = PlanOptions()
+    free = plan_and_wrap(ex.model, 10**6, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
+                         options=options).plan
+    try:
+        plan_and_wrap(ex.model, 1e-6, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt, options=options)
+    except InfeasibleBudgetError as e:
+        floor = e.min_feasible_bytes
+    rows = []
+    for frac in (0.2, 0.5, 0.8):
+        budget = int(floor + frac * (free.unplanned_peak_bytes - floor))
+        t0 = time.perf_counter()
+        w = plan_and_wrap(ex.model, budget / 1e9, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
+                          options=options)
+        plan_s = time.perf_counter() - t0
+        peak, step_s = _train(w, ex, opt, a.steps, device)
+        rows.append((f"{frac:.0%}", budget, w.plan.predicted_peak_bytes, peak, step_s, len(w.plan.regions), plan_s,
+                     w.plan.peak_phase))
+    base_peak, base_s = _train(ex.model, ex, opt, a.steps, device)
+    block_peak, block_s = _train(_EveryBlock(ex.model), ex, opt, a.steps, device)
+    lines = [f"# GPU check: {cfg} ({params / 1e9:.2f}B parameters, bf16, AdamW) on "
+             f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}, torch {torch.__version__}",
+             "", f"unplanned whole step: measured {base_peak} B, {base_s:.3f} s; every block checkpointed: "
+             f"measured {block_peak} B, {block_s:.3f} s; smallest feasible (remat) {floor} B", "",
+             "| budget | bytes | predicted | measured (allocator) | pred/meas | step s | vs every block | regions | plan s | peak in |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, budget, pred, meas, step_s, regions, plan_s, phase in rows:
+        ratio = f"{pred / meas:.3f}" if meas else "-"
+        lines.append(f"| {name} | {budget} | {pred} | {meas if meas is not None else '-'} | {ratio} | {step_s:.3f} | "
+                     f"{step_s / block_s:.2f}x | {regions} | {plan_s:.1f} | {phase} |")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
