@@ -1,4 +1,4 @@
-"""A model factory for the CLI: `remat check docs/example_model.py:make --budget 60%`.
+"""A model factory for the CLI: `remat check docs/example_model.py:make --budget 70%`.
 
 A factory takes no arguments and returns (model, inputs) or (model, inputs, loss_fn): inputs is
 a tuple (positional arguments), a dict (keyword arguments) or one tensor; loss_fn(output) is a

@@ -48,8 +48,15 @@ class ExactReplay:
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.kernels = any(why == MEASURED_WHY for _, why in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
+        self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
 
     def __call__(self, regions) -> int:
+        key = tuple(regions)
+        if key not in self.peaks:
+            self.peaks[key] = self._replay(key)
+        return self.peaks[key]
+
+    def _replay(self, regions) -> int:
         """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
         or the optimizer's step when that is higher (the same under every plan)."""
         a, meta = self.analysis, self.analysis.cost_graph.meta

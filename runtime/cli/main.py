@@ -139,7 +139,8 @@ def cmd_report(a, say) -> int:
         print(_json({"fits": True, "model": loaded.label, "plan": asdict(plan),
                      "segments": [asdict(s) for s in segs]}))
     else:
-        print(report_text(plan, segs, loaded.label, parse_budget(a.budget).text()))
+        budget = parse_budget(a.budget)
+        print(report_text(plan, segs, loaded.label, budget.text() if budget.kind == "fraction" else ""))
     return 0
 
 

@@ -102,7 +102,7 @@ def report_text(plan: Plan, segs: list[Segment], label: str, budget_text: str) -
         f"model          {label}: {len(plan.node_names)} nodes",
         f"graph          {plan.trace_path}" + "".join(f"\n               {path} not taken: {why}"
                                                      for path, why in plan.meta.get("trace_attempts", ())),
-        f"budget         {size_text(plan.budget_bytes)} ({budget_text})",
+        f"budget         {size_text(plan.budget_bytes)}" + (f" ({budget_text})" if budget_text else ""),
         f"peak           {size_text(plan.unplanned_peak_bytes)} without a plan -> "
         f"{size_text(plan.predicted_peak_bytes)} with it (-{pct:.1f}%){smallest}"
         + (f"; held by the {plan.peak_phase}" if plan.peak_phase else ""),

@@ -1,6 +1,7 @@
 """The real peak memory of a training step: live tensor bytes on CPU, the allocator's on CUDA."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -57,6 +58,7 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
     Each profiler memory event carries the byte delta of one allocation or free; their running
     sum from the start of the step is what the step holds on top of what existed before it.
     """
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")    # kineto's USDT start/stop lines off (read at first use)
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn()
