@@ -46,7 +46,8 @@ def test_rewrite_writes_the_output_under_each_marker():
 def test_the_docs_mark_their_examples():
     commands = {e.command for e in FOUND}
     assert {e.path for e in FOUND} == set(DOCS)
-    assert "remat report --budget 40% --quiet" in {e.command for e in FOUND if e.path.name == "README.md"}
+    readme = [e.command for e in FOUND if e.path.name == "README.md"]
+    assert any(c.startswith("remat report --budget") for c in readme), readme   # the built-in gpt2's report
     cli = [e.command.split()[1] for e in FOUND if e.path == CLI_MD]
     assert {"report", "check", "sweep"} <= set(cli)
     assert "remat check docs/example_model.py:make --budget 70%" in commands
