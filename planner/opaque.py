@@ -12,7 +12,7 @@ activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -81,9 +81,36 @@ def real_inputs(gm: torch.nn.Module, inputs: dict, names: tuple[str, ...]) -> di
     return found
 
 
+RANDOM_DRAWS = 8    # a module whose forward draws from torch's RNG is measured under this many seeds more
+
+
+def _memory(cost: "OpaqueCost") -> int:
+    return cost.internal_saved_bytes + cost.fwd_extra_bytes + cost.bwd_extra_bytes
+
+
 def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
     """Run `module` for real on `example` (its real inputs, see `real_inputs`), else on
-    random inputs shaped like the fake `args`; returns (cost, fake-able outputs)."""
+    random inputs shaped like the fake `args`; returns (cost, fake-able outputs).
+
+    A module whose forward draws from torch's RNG (`if torch.rand(()) < p: skip`) may take
+    another branch in every step: it is measured again under RANDOM_DRAWS fixed seeds and the
+    draw that holds the most memory is kept (the inputs any draw saves, all saved), so the plan
+    does not depend on the draw that planning happened to see."""
+    cost, shapes, drew = _measure_once(module, real_state, args, kwargs, example)
+    if not drew:
+        return cost, shapes
+    runs = [(cost, shapes)]
+    for seed in range(RANDOM_DRAWS):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            runs.append(_measure_once(module, real_state, args, kwargs, example)[:2])
+    worst, worst_shapes = max(runs, key=lambda r: _memory(r[0]))
+    saved = tuple(sorted(set().union(*(c.saved_input_positions for c, _ in runs))))
+    return replace(worst, saved_input_positions=saved, flops=max(c.flops for c, _ in runs)), worst_shapes
+
+
+def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+    """One real run of `measure_opaque`: (cost, fake-able outputs, whether it drew from torch's RNG)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
     with _disable_current_modes(), rng_preserved():
         flat, spec = tree_flatten((args, kwargs))
@@ -110,8 +137,10 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
             start = live.live_bytes
             drawn: list[bool] = []
             versions = attribute_versions(module)
+            torch_rng = torch.random.get_rng_state()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
                 out = torch.func.functional_call(module, state, r_args, r_kwargs)
+            drew_torch = not torch.equal(torch_rng, torch.random.get_rng_state())
             writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
@@ -132,7 +161,7 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
         cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), held,
                           fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t, out)
-    return cost, shapes
+    return cost, shapes, drew_torch
 
 
 class StandIn(torch.autograd.Function):
