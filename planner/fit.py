@@ -123,8 +123,8 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
         choice = _fit(pb)
     except InfeasibleBudgetError as e:
         raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source) from None
-    if min_feasible is not None:
-        min_feasible = min(_floor(pb, choice.effective), choice.predicted)     # never above a plan that fits
+    if min_feasible is not None:        # corrected as the budget was; never above a plan that fits
+        min_feasible = min(min_feasible + max(0, budget_bytes - choice.effective), choice.predicted)
     tl = timeline(cg, choice.regions)
     plan = _finish(cg, Plan(regions=choice.regions, predicted_peak_bytes=choice.predicted,
                             min_feasible_bytes=min_feasible, solver=choice.solver, status=choice.status,
@@ -187,15 +187,6 @@ def _fit(pb: _Problem) -> Choice:
     if best is None:
         return _known_or_raise(pb, effective, max(predicted or 0, min(pb.peaks.values(), default=predicted or 0)))
     return best[1]
-
-
-def _floor(pb: _Problem, effective: int) -> int:
-    """The smallest feasible budget a plan reports, by the same rule as InfeasibleBudgetError's:
-    with a Measure, the least replayed peak of the known plans (the least-peak plan among them);
-    without, their least simulated peak, corrected as the budget was."""
-    if pb.measure is not None:
-        return min(pb.measured(r) for r in pb.known.values() if r)
-    return min(pb.peaks.values()) + max(0, pb.budget - effective)
 
 
 def _known_or_raise(pb: _Problem, effective: int, estimate: int) -> Choice:
