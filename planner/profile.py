@@ -346,6 +346,8 @@ def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], exa
 
 
 def _forward(gm: fx.GraphModule, runner: _Runner, fake_inputs: dict):
+    """The profiled forward: the graph run node by node on the fake inputs; the interpreter's
+    environment is dropped after, so only what autograd and the output hold stays alive."""
     out = runner.run(*placeholder_values(gm, fake_inputs))
     runner.env.clear()
     return out

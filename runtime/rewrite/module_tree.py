@@ -77,18 +77,14 @@ def _optimizer_phase(model, args, kwargs, optimizer, options: PlanOptions) -> tu
     return mem.state_bytes, fixed + grads + mem.state_bytes + mem.step_bytes
 
 
-def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget, options: PlanOptions,
+def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
                  why: str, optimizer=None) -> Plan:
     """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
-    the modes of the training step (planner.state). `budget`: bytes or a planner.budget.Budget
-    (a fraction is of the measured unplanned step). With `optimizer`, its state is added to each
+    the modes of the training step (planner.state). A fraction `budget` is of the measured
+    unplanned step. With `optimizer`, its state is added to each
     measured step and its step (planner.optimizer) is a phase of its own."""
     with training_modes(model):
-        return _plan_modules(model, args, kwargs, loss_fn, as_budget_bytes(budget), options, why, optimizer)
-
-
-def as_budget_bytes(budget):
-    return budget if isinstance(budget, Budget) else Budget("bytes", float(budget))
+        return _plan_modules(model, args, kwargs, loss_fn, budget, options, why, optimizer)
 
 
 def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
