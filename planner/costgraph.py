@@ -64,12 +64,14 @@ class CostGraph:
         and `storages`, a (storage id, bytes, output) triple per storage it makes; each storage gives one edge
         producer -> node per entry of its users (kind "user"), holders ("holder") and mutated_by
         ("mutated_by"), keyed by (storage id, kind, position in that tuple), with `storage`, `bytes`,
-        `kind` and `output`. Graph attributes: fixed_bytes, param_bytes, region_s, sac_op_s, meta,
-        and n_storages (a storage nobody reads, holds or writes has no edge: its producer's `storages` has it)."""
+        `kind` and `output`. Graph attributes: fixed_bytes, param_bytes, region_s, sac_op_s,
+        optimizer_step_bytes, meta, and n_storages (a storage nobody reads, holds or writes has no
+        edge: its producer's `storages` has it)."""
         import networkx as nx
 
         g = nx.MultiDiGraph(fixed_bytes=self.fixed_bytes, param_bytes=self.param_bytes, region_s=self.region_s,
-                            sac_op_s=self.sac_op_s, meta=dict(self.meta), n_storages=len(self.storages))
+                            sac_op_s=self.sac_op_s, optimizer_step_bytes=self.optimizer_step_bytes,
+                            meta=dict(self.meta), n_storages=len(self.storages))
         made: list[list[tuple]] = [[] for _ in self.nodes]
         for sid, s in enumerate(self.storages):
             made[s.producer].append((sid, s.bytes, s.output))

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from . import hierarchy
 from .baselines import known_plans
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
@@ -60,6 +61,7 @@ class _Problem(NamedTuple):
     peaks: dict[str, int]                  # their simulated predictions
     measure: Measure | None
     margin: float                          # 1 + replay margin
+    hier: object = None                    # hierarchy.HierarchicalSolver, or None: the flat ILP
 
     def predict(self, regions) -> int:
         """The simulator's prediction: the simulated peak plus the safety margin."""
@@ -110,14 +112,17 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                                 recompute_flops=0, recompute_s=0.0, **base))
     t0 = time.perf_counter()
     ctx = search(cg, options.solve.sac)
-    cands = candidates(cg, options.solve, ctx.space)
+    # Large graphs of repeated blocks: the hierarchical solve (planner/hierarchy.py) stands in for
+    # the flat candidates and ILP, here and in _choose; None (any other graph): the flat path.
+    hier = hierarchy.for_graph(cg, options.solve, ctx)
+    cands = candidates(cg, options.solve, ctx.space) if hier is None else []
     # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
     # They bound the smallest feasible budget and warm-start the ILP.
     known = known_plans(cg, options.solve.sac)
     if options.find_min_feasible:
-        known["min-peak"] = solve_min_peak(cg, options.solve, cands, ctx).regions
+        known["min-peak"] = (hier.min_peak() if hier else solve_min_peak(cg, options.solve, cands, ctx)).regions
     peaks = {name: pb.predict(r) for name, r in known.items() if r}
-    pb = pb._replace(cands=cands, ctx=ctx, known=known, peaks=peaks)
+    pb = pb._replace(cands=cands, ctx=ctx, known=known, peaks=peaks, hier=hier)
     min_feasible = min(peaks.values()) if options.find_min_feasible and peaks else None
     try:
         choice = _fit(pb)
@@ -211,7 +216,8 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
     warm = known[fitting[0][1]] if fitting else ()
     target = int(budget_bytes / (1.0 + pb.options.safety_margin))
     for _ in range(ROUNDING_RESOLVES):   # the ILP bounds the simulated peak; re-solve tighter if rounding says no
-        sol = solve_ilp(cg, target, pb.options.solve, warm_start=warm, cands=pb.cands, ctx=pb.ctx)
+        sol = (pb.hier.solve if pb.hier else solve_ilp)(cg, target, pb.options.solve, warm_start=warm,
+                                                        cands=pb.cands, ctx=pb.ctx)
         if sol is None or pb.predict(sol.regions) <= budget_bytes:
             break
         target -= pb.predict(sol.regions) - budget_bytes
@@ -221,7 +227,8 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
         return Choice(known[name], name, "cheaper than the best plan the ILP found within its limits", float("nan"))
     if ilp_ok:
         return Choice(sol.regions, "ilp", sol.status, sol.gap)
-    floor = known.get("min-peak") or solve_min_peak(cg, pb.options.solve, pb.cands, pb.ctx).regions
+    floor = known.get("min-peak") or (pb.hier.min_peak() if pb.hier
+                                      else solve_min_peak(cg, pb.options.solve, pb.cands, pb.ctx)).regions
     raise InfeasibleBudgetError(budget_bytes, min([pb.predict(floor)] + list(peaks.values())), SIMULATED)
 
 
