@@ -3,6 +3,7 @@
     python benchmarks/docs.py            # run every marked example, show where the docs differ (exit 1)
     python benchmarks/docs.py --write    # run them and write their real output into the docs
     python benchmarks/docs.py --list     # the marked examples, without running them
+    python benchmarks/docs.py --fast     # only the examples the tests check (no `remat-example-slow`)
 
 A marked example is an HTML comment on a line of its own, directly above a fenced block:
 
@@ -11,6 +12,9 @@ A marked example is an HTML comment on a line of its own, directly above a fence
     $ remat check resnet --budget 18MB
     OK: predicted peak 17.59 MB <= budget 18.00 MB, 2 regions, extra compute 17.3%
     ```
+
+An example that takes minutes (the Llama-2-7B report) is marked `remat-example-slow` instead:
+this script runs and writes it like the others, tests/test_docs.py checks only its form.
 
 The block is the command after `$ `, then what the command prints on stdout (its results;
 progress goes to stderr and is not shown). Markdown renders the comment as nothing. Each command
@@ -39,11 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / "README.md", ROOT / "docs" / "CLI.md")
 MARKER = "remat-example"
+SLOW = "-slow"       # MARKER + SLOW: regenerated here, not run by the tests
 
 # the marker, the fence that opens the block under it, the block's body, the closing fence
-_EXAMPLE = re.compile(r"^<!-- " + MARKER + r": (?P<command>[^\n]*?) -->[ \t]*\n"
+_EXAMPLE = re.compile(r"^<!-- " + MARKER + r"(?P<slow>" + SLOW + r")?: (?P<command>[^\n]*?) -->[ \t]*\n"
                       r"(?P<fence>```[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
-_MARKER_LINE = re.compile(r"^<!-- " + MARKER + r":", re.M)
+_MARKER_LINE = re.compile(r"^<!-- " + MARKER + r"(?:" + SLOW + r")?:", re.M)
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? s\b")          # "43.21 s", "1.0 s"; not "17.3 ms"
 
 
@@ -53,6 +58,7 @@ class Example:
     line: int          # of the marker, 1-based
     command: str       # as written in the marker
     shown: str         # the block's body as the docs have it (no trailing newline)
+    slow: bool = False  # marked MARKER + SLOW: not run by the tests
 
     @property
     def where(self) -> str:
@@ -75,8 +81,8 @@ class ExampleError(Exception):
 def find_examples(text: str, path: Path = Path("<text>")) -> list[Example]:
     """The marked examples of one Markdown text, in order. Raises ExampleError for a marker
     that is not directly followed by a fenced block."""
-    found = [Example(path, text.count("\n", 0, m.start()) + 1, m["command"].strip(), m["body"].rstrip("\n"))
-             for m in _EXAMPLE.finditer(text)]
+    found = [Example(path, text.count("\n", 0, m.start()) + 1, m["command"].strip(), m["body"].rstrip("\n"),
+                     bool(m["slow"])) for m in _EXAMPLE.finditer(text)]
     lines = {e.line for e in found}
     for m in _MARKER_LINE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
@@ -87,9 +93,9 @@ def find_examples(text: str, path: Path = Path("<text>")) -> list[Example]:
     return found
 
 
-def examples(paths=DOCS) -> list[Example]:
-    """Every marked example of the docs."""
-    return [e for p in paths for e in find_examples(Path(p).read_text(), Path(p))]
+def examples(paths=DOCS, slow: bool = True) -> list[Example]:
+    """Every marked example of the docs (without the slow ones, `slow` False)."""
+    return [e for p in paths for e in find_examples(Path(p).read_text(), Path(p)) if slow or not e.slow]
 
 
 def block(command: str, stdout: str) -> str:
@@ -106,7 +112,7 @@ def rewrite(text: str, output) -> str:
         real = block(command, output(command))
         if normalise(real) == normalise(m["body"]):
             real = m["body"].rstrip("\n")
-        return f"<!-- {MARKER}: {command} -->\n{m['fence']}\n{real}\n```"
+        return f"<!-- {MARKER}{m['slow'] or ''}: {command} -->\n{m['fence']}\n{real}\n```"
     return _EXAMPLE.sub(body, text)
 
 
@@ -170,12 +176,13 @@ def main(args: list[str] | None = None) -> int:
                                              "compare them with the docs, or write them in.")
     ap.add_argument("--write", action="store_true", help="write the real outputs into the docs")
     ap.add_argument("--list", action="store_true", help="list the marked examples, run nothing")
+    ap.add_argument("--fast", action="store_true", help="skip the slow examples (those the tests skip)")
     ap.add_argument("--jobs", type=int, default=1, help="commands run at once (default 1)")
     ap.add_argument("files", nargs="*", type=Path, help=f"Markdown files (default: {' '.join(str(p.relative_to(ROOT)) for p in DOCS)})")
     a = ap.parse_args(args)
     paths = [p.resolve() for p in a.files] or list(DOCS)
     try:
-        found = examples(paths)
+        found = examples(paths, slow=not a.fast)
         if a.list:
             for e in found:
                 print(f"{e.where}: {e.command}")

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from .kernels import FLOP_FORMULAS
 from .rng import host_rng_restored, rng_preserved
 from .state import buffers_restored
 from .storage import LiveBytes, unlinked
@@ -133,7 +134,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             if all(st is not p.untyped_storage() for p in state.values()):
                 internal[id(st)] = st.nbytes()
             return unlinked(t)
-        with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False) as fc:
+        with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
             start = live.live_bytes
             drawn: list[bool] = []
             versions = attribute_versions(module)

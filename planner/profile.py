@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
+from .kernels import FLOP_FORMULAS
 from .opaque import stand_in
 from .rates import DeviceRates
 from .simulate import timeline
@@ -332,7 +333,7 @@ def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], exa
         mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops)
         mode.track_fixed([t.untyped_storage() for t in fake.fixed], [t.untyped_storage() for t in fake.made_from])
         opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
         runner = _Runner(gm, mode, flops, opaque_state, examples)
         grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
         with flops, mode:

@@ -68,6 +68,12 @@ class Plan:
         d["opaque"] = tuple(tuple(x) for x in d["opaque"])
         return cls(**d)
 
+    @property
+    def gap_text(self) -> str:
+        """The proven optimality gap as printed: 'gap 2.0%', or that no bound was proven (the
+        hand-made plans, the least-peak search and the hierarchical solve prove none)."""
+        return "no proven bound" if self.gap != self.gap else f"gap {self.gap:.1%}"
+
     def summary(self) -> str:
         lines = [
             f"budget {gb(self.budget_bytes)} | predicted peak {gb(self.predicted_peak_bytes)}"
@@ -76,7 +82,7 @@ class Plan:
             + ")" + (f", held by the {self.peak_phase}" if self.peak_phase else ""),
             f"recompute {self.recompute_flops / 1e9:.2f} GFLOP of {self.total_flops / 1e9:.2f} GFLOP forward;"
             f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward",
-            f"solver {self.solver}: {self.status}, gap {self.gap:.1%}, {self.solve_s:.2f} s",
+            f"solver {self.solver}: {self.status}, {self.gap_text}, {self.solve_s:.2f} s",
             f"graph: {self.trace_path}" + "".join(f"; {p} not taken ({why})"
                                                   for p, why in self.meta.get("trace_attempts", ())),
         ]

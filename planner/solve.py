@@ -49,7 +49,6 @@ import pulp
 from .baselines import known_plans
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
-from .errors import SolverError
 from .improve import Search, improve, search
 from .options import SolveOptions
 from .result import Region
@@ -343,15 +342,17 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     if sol not in _SOLVED and opts.min_peak_nodes < opts.max_nodes:
         more_s, status, sol = _run(m.prob, opts, False)      # no plan found at the root: branch
         solve_s += more_s
-    if sol not in _SOLVED:
-        raise SolverError(status, "while minimising the peak")
-    label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
-    regions = _chosen(cands, m.x)
+    known = min(known_plans(cg, opts.sac).values(), key=lambda r: _key(cg, r), default=())
+    if sol in _SOLVED:
+        regions = _chosen(cands, m.x)
+        label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
+    else:    # CBC found no plan within its limits (a graph of thousands of nodes): the known plan
+        regions = min([known, ()], key=lambda r: _key(cg, r))
+        label = f"CBC found none within its limits ({status}): the known plan of least peak"
     t0 = time.perf_counter()
     if opts.improve_evals:
         # local search from CBC's plan and from the hand-made plan of least peak: on large graphs
         # (a partial candidate set) the latter sometimes ends lower
-        known = min(known_plans(cg, opts.sac).values(), key=lambda r: timeline(cg, r).peak_bytes, default=())
         starts = [regions] + ([known] if known and known != regions else [])
         done = [improve(cg, r, None, opts.improve_evals // len(starts), ctx=ctx) for r in starts]
         better = min(done, key=lambda r: _key(cg, r))

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .kernels import device_kernels
 from .rng import rng_preserved
 from .state import named_tensors
 
@@ -80,9 +81,10 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False):
     """Inside, `gm` holds fake copies of its parameters, buffers and constants (`graph_state`),
     under a FakeTensorMode that also takes real tensors (a loss target); yields a FakeState with
     the fake inputs. `grads`: every trainable parameter starts with a gradient (a micro-step of
-    gradient accumulation after the first), live the whole step. Every RNG ends as it began."""
+    gradient accumulation after the first), live the whole step. Attention on meta tensors runs
+    the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
-    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake, device_kernels():
         state = {k: fake.from_tensor(v) for k, v in real.items()}
         fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         existing = []

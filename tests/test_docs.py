@@ -8,7 +8,8 @@ from benchmarks.docs import DOCS, ROOT, ExampleError, block, examples, find_exam
 from runtime.examples import EXAMPLES
 
 CLI_MD = ROOT / "docs" / "CLI.md"
-FOUND = examples()
+FOUND = examples(slow=False)
+SLOW = [e for e in examples() if e.slow]
 
 
 # ------------------------------------------------------------------ the machinery (no commands run)
@@ -38,6 +39,10 @@ def test_rewrite_writes_the_output_under_each_marker():
         (8, "remat report b --budget 50%", "$ remat report b --budget 50%\nsolver         ilp: optimal, 1.00 s")]
     with pytest.raises(ExampleError, match="followed directly by a fenced block"):
         find_examples("<!-- remat-example: remat check a --budget 1GB -->\ntext\n```\nx\n```\n")
+    slow = find_examples("<!-- remat-example-slow: remat report x --budget 1GB -->\n```\nold\n```\n")
+    assert [e.slow for e in slow] == [True] and rewrite("<!-- remat-example-slow: remat r -->\n```\nold\n```\n",
+                                                       lambda c: "new\n") == ("<!-- remat-example-slow: remat r -->\n"
+                                                                              "```\n$ remat r\nnew\n```\n")
     with pytest.raises(ExampleError, match="runs `remat"):
         find_examples("<!-- remat-example: python -c 1 -->\n```\n```\n")
 
@@ -53,7 +58,8 @@ def test_the_docs_mark_their_examples():
     assert "remat check docs/example_model.py:make --budget 70%" in commands
     assert any(c.startswith("remat sweep") and "--no-plot" in c for c in commands)
     assert sum(c.startswith("remat check") for c in commands) >= 3   # one that fits, one that does not, the factory
-    for e in FOUND:
+    assert any("--hf-config" in e.command and "--optimizer adamw" in e.command for e in SLOW)   # the 7B report
+    for e in FOUND + SLOW:
         assert e.shown.splitlines()[0] == f"$ {e.command}", f"{e.where}: the block does not start with its command"
         assert len(e.shown.splitlines()) > 1, f"{e.where}: no output under `{e.command}`"
 

@@ -271,3 +271,21 @@ def test_the_pure_core_imports_without_torch():
     r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import planner.api"],
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode != 0 and "torch" in r.stderr          # the check can fail: the torch side needs torch
+
+
+def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatch):
+    """CBC can stop at its limits with no plan at all on a graph of thousands of nodes (the flat
+    path on a Llama-70B shape did): the least-peak search then starts from the known plan of least
+    peak instead of failing with SolverError."""
+    import pulp
+
+    import planner.solve as solve
+    from planner.baselines import known_plans
+
+    cg = chain(8, [4, 3, 5, 2, 6, 3, 4, 1], [5, 1, 6, 1, 7, 1, 5, 1])
+    monkeypatch.setattr(solve, "_run", lambda *a, **k: (0.0, "Not Solved", pulp.LpSolutionNoSolutionFound))
+    sol = solve.solve_min_peak(cg, SolveOptions(improve_evals=0))
+    least = min(timeline(cg, r).peak_bytes for r in [(), *known_plans(cg).values()])
+    assert "CBC found none" in sol.status and timeline(cg, sol.regions).peak_bytes == least
+    improved = solve.solve_min_peak(cg, SolveOptions())       # the local search from there
+    assert timeline(cg, improved.regions).peak_bytes < least

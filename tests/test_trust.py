@@ -448,3 +448,49 @@ def test_a_random_branch_is_planned_for_its_larger_draw_whatever_the_rng():
         model.zero_grad(set_to_none=True)
         measured = peak_memory(lambda: w(x).square().mean().backward(), model, x)
         assert measured <= w.plan.predicted_peak_bytes
+
+
+class _Attention(nn.Module):
+    """Multi-head self-attention through F.scaled_dot_product_attention, with a mask (bool or the
+    query's dtype) or causal, grouped-query heads with `kv` < 4."""
+
+    def __init__(self, mask_dtype=None, kv: int = 4, d: int = 64, seq: int = 96):
+        super().__init__()
+        self.q, self.kv_proj, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d * kv // 4), nn.Linear(d, d)
+        self.kv, self.mask_dtype = kv, mask_dtype
+        if mask_dtype is not None:
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+            self.register_buffer("mask", mask if mask_dtype == torch.bool else
+                                 torch.zeros(seq, seq).masked_fill(~mask, float("-inf")).to(mask_dtype))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, 4, d // 4).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, s, 2 * self.kv, d // 4).transpose(1, 2).chunk(2, dim=1)
+        if self.mask_dtype is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv < 4)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=self.kv < 4)
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("mask_dtype,kv,dtype", [(None, 4, torch.float32), (torch.bool, 4, torch.bfloat16),
+                                                 (torch.float32, 2, torch.float32), (None, 2, torch.bfloat16)])
+def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtype):
+    """On meta tensors sdpa runs the math kernel (the attention matrix saved, in float32); a CPU
+    or CUDA device runs a flash kernel. Planned on meta, the step is the CPU's to the byte
+    (planner/kernels.py), and the attention's FLOPs are counted on both. (Only the count of ops
+    dispatched differs: the CPU's sdpa dispatches its kernel choice and views too.)"""
+    from dataclasses import replace
+
+    graphs = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = nn.Sequential(_Attention(mask_dtype, kv), nn.GELU(), _Attention(mask_dtype, kv)).to(dtype)
+            x = torch.randn(2, 96, 64, dtype=dtype)
+        cg = analyze(model, (x,)).cost_graph
+        graphs[device] = ([replace(n, ops=0, cost_s=0.0) for n in cg.nodes], cg.storages, cg.fixed_bytes)
+        attention = [n for n in cg.nodes if "scaled_dot_product" in n.target]
+        assert len(attention) == 2 and all(n.flops > 0 for n in attention), device
+    assert graphs["meta"] == graphs["cpu"]

@@ -109,7 +109,7 @@ def report_text(plan: Plan, segs: list[Segment], label: str, budget_text: str) -
         f"extra compute  {plan.extra_compute_pct:.1f}% of the forward: recompute "
         f"{plan.recompute_flops / 1e9:.3g} of {plan.total_flops / 1e9:.3g} GFLOP, "
         f"est. {plan.recompute_s * 1e3:.1f} ms",
-        f"solver         {plan.solver}: {plan.status}, gap {plan.gap:.1%}, {plan.solve_s:.2f} s",
+        f"solver         {plan.solver}: {plan.status}, {plan.gap_text}, {plan.solve_s:.2f} s",
         "",
     ]
     if segs:
