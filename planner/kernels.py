@@ -14,24 +14,25 @@ FlopCounterMode counts the CUDA flash and memory-efficient kernels, not the CPU 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
-_SDPA = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """The CPU flash kernel's output for attention on meta tensors it takes (as on a CPU, key and
-    value may have fewer heads with `enable_gqa`); None otherwise."""
+def _attention_on_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+    """scaled_dot_product_attention for meta tensors: the CPU flash kernel where it takes the inputs
+    (as on a CPU, key and value may have fewer heads with `enable_gqa`), else the math kernel, as
+    torch's own composite runs on meta."""
     qkv = (query, key, value)
-    if (query.device.type != "meta" or any(t.dim() != 4 for t in qkv)
-            or len({t.dtype for t in qkv}) != 1 or query.dtype not in _FLOATS
+    if (any(t.dim() != 4 for t in qkv) or len({t.dtype for t in qkv}) != 1 or query.dtype not in _FLOATS
             or (attn_mask is not None and attn_mask.dtype not in _FLOATS + (torch.bool,))):
-        return None
+        return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                       scale=scale, enable_gqa=enable_gqa)[0]
     if attn_mask is not None and attn_mask.dtype == torch.bool:     # as torch does first: 0 where True, else -inf
         attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype, device=query.device),
                                 torch.full((), float("-inf"), dtype=query.dtype, device=query.device))
@@ -39,16 +40,28 @@ def _cpu_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                                                             attn_mask=attn_mask, scale=scale)[0]
 
 
-class device_kernels(TorchFunctionMode):
-    """Attention on meta tensors runs the flash kernel a CPU or CUDA device runs (module docstring)."""
+_active = 0     # device_kernels() entered and not left (nested uses register once)
+_library: torch.library.Library | None = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SDPA:
-            out = _cpu_flash(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+
+@contextlib.contextmanager
+def device_kernels():
+    """Inside, attention on meta tensors runs the flash kernel a CPU or CUDA device runs (module
+    docstring): a kernel registered for the op at the AutogradMeta key (ahead of its composite) and
+    removed on leaving. A dispatcher registration, not a TorchFunctionMode: checkpoint's
+    recompute in backward runs without the caller's torch-function modes."""
+    global _active, _library
+    if _active == 0:
+        _library = torch.library.Library("aten", "IMPL")
+        _library.impl("scaled_dot_product_attention", _attention_on_meta, "AutogradMeta")
+    _active += 1
+    try:
+        yield
+    finally:
+        _active -= 1
+        if _active == 0:
+            _library._destroy()
+            _library = None
 
 
 def _flash_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:

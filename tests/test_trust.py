@@ -490,7 +490,11 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
             model = nn.Sequential(_Attention(mask_dtype, kv), nn.GELU(), _Attention(mask_dtype, kv)).to(dtype)
             x = torch.randn(2, 96, 64, dtype=dtype)
         cg = analyze(model, (x,)).cost_graph
-        graphs[device] = ([replace(n, ops=0, cost_s=0.0) for n in cg.nodes], cg.storages, cg.fixed_bytes)
+        # planned with the exact replay: regions recomputed in backward run the same kernel on meta
+        plan = plan_and_wrap(model, "85%", example_inputs=(x,)).plan
+        assert plan.regions, device
+        graphs[device] = ([replace(n, ops=0, cost_s=0.0) for n in cg.nodes], cg.storages, cg.fixed_bytes,
+                          plan.predicted_peak_bytes, [(r.start, r.end, r.saved) for r in plan.regions])
         attention = [n for n in cg.nodes if "scaled_dot_product" in n.target]
         assert len(attention) == 2 and all(n.flops > 0 for n in attention), device
     assert graphs["meta"] == graphs["cpu"]
