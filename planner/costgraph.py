@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ class CostGraph:
         n = len(self.nodes)
         for s in self.storages:
             assert 0 <= s.producer < n and all(s.producer <= u < n for u in s.users + s.holders)
+
+    @cached_property
+    def made_by(self) -> tuple[tuple[StorageCost, ...], ...]:
+        """Per node, the storages it makes (computed once per graph: not a field)."""
+        made: list[list[StorageCost]] = [[] for _ in self.nodes]
+        for s in self.storages:
+            made[s.producer].append(s)
+        return tuple(tuple(m) for m in made)
 
     def to_networkx(self):
         """The graph with its costs as a networkx.MultiDiGraph: node i carries every NodeCost field

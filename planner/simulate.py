@@ -181,7 +181,7 @@ def region_recompute(cg: CostGraph, r: Region) -> Recompute:
     """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
     size = r.end - r.start + 1
     saved = set(r.saved)
-    inside = [s for s in cg.storages if s.producer in r and s.producer not in saved]
+    inside = [s for i in range(r.start, r.end + 1) if i not in saved for s in cg.made_by[i]]
     recomputed = [s for s in inside if any(h in r for h in s.holders)]
     passing = [s for s in inside if not any(h in r for h in s.holders)]
     if not recomputed:
