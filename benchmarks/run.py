@@ -263,9 +263,12 @@ def main(argv=None) -> int:
                     help="defaults to gpt2,resnet at 0.5, 3 repeats, shorter ILP limit, coarser compile grid")
     ap.add_argument("--repeats", type=int, help="timed rounds, a step of each strategy per round (default 7)")
     ap.add_argument("--eager", action="store_true", help="leave out the compiled strategies (no compiles)")
+    ap.add_argument("--threads", type=int, help="torch threads (default torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--costs", choices=("measured", "roofline"), default="measured",
                     help="our plans' cost model (default measured: each op timed on this machine)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     models, s = settings(a)
     if set(models) - set(MODELS):
         ap.error(f"unknown models {sorted(set(models) - set(MODELS))}; known: {', '.join(MODELS)}")

@@ -7,7 +7,8 @@ device, requires_grad). `measured_costs` materialises each distinct signature on
 device (floating tensors drawn from a normal distribution, integer and bool ones zero, so that
 indices are valid), times it (`time_ops`: warm-up, then the fastest of several calls spread over
 the measurement, the device synchronised: a loaded machine only adds time, so the minimum is the
-op's own), and sums a node's ops. Timings are cached in a JSON file per device and torch
+op's own), and sums a node's ops, plus what checkpoint's hooks cost for each tensor the node
+saves for backward (`measure_overheads`: on CPU they cost more than recomputing a cheap op). Timings are cached in a JSON file per device and torch
 version (`cache_path`), so the next plan on the same machine times nothing and plans the same.
 An op that cannot be timed on made-up values (it raises) leaves its node on the roofline.
 torch's own operator-level estimator (torch.distributed._tools.RuntimeEstimator, its
@@ -34,7 +35,7 @@ COST_MODELS = ("auto", "measured", "roofline")
 REPEATS = 7                # timed calls per op signature, after one warm-up (the fastest is kept)
 CHUNK = 64                 # op signatures materialised at once (their inputs are real tensors)
 OVERHEAD_ROUNDS = 30       # interleaved rounds of the region and SAC overhead measurement
-_CHAIN = 16                # ops in the toy region the overheads are measured on
+_CHAIN = 16                # ops in the (shorter) toy region the overheads are measured on
 
 
 class CostModelError(RematError):
@@ -172,41 +173,58 @@ def time_ops(calls: list[OpCall], device: str, rounds: int = REPEATS, chunk: int
     return out
 
 
-def _toy_region(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(_CHAIN):
-        x = x * 1.0001
-    return x
+def _toy_region(n: int, w: torch.Tensor | None):
+    """A chain of `n` cheap ops; each saves two tensors for backward when `w` is given (x * w)."""
+    def f(x):
+        for _ in range(n):
+            x = x * (w if w is not None else 1.0001)
+        return x
+    return f
 
 
 def _recompute_everything(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _toy_step(kind: str, x: torch.Tensor) -> None:
+def _toy_step(kind: str, f, x: torch.Tensor) -> None:
     if kind == "plain":
-        y = _toy_region(x)
+        y = f(x)
     elif kind == "region":
-        y = checkpoint(_toy_region, x, use_reentrant=False)
+        y = checkpoint(f, x, use_reentrant=False)
     else:
-        y = checkpoint(_toy_region, x, use_reentrant=False,
+        y = checkpoint(f, x, use_reentrant=False,
                        context_fn=partial(create_selective_checkpoint_contexts, _recompute_everything))
     y.sum().backward()
 
 
-def measure_overheads(device: str) -> tuple[float, float]:
-    """(region_s, sac_op_s) on `device`: a toy chain of `_CHAIN` cheap ops stepped plain, as one
-    checkpoint region, and as one region under a SAC policy, interleaved, medians. A region costs
-    what it adds beyond the plain step and its recompute (the chain's forward); a SAC policy
-    what it adds to the region, per op of the forward."""
-    x = torch.randn(64, device=device, requires_grad=True)
-    kinds = ("plain", "region", "sac", "forward")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+def _toy_times(f, x: torch.Tensor, device: str, kinds=("plain", "region", "sac")) -> dict[str, float]:
+    """Fastest seconds of each kind of step of the toy `f` and of its forward, interleaved."""
+    fns = {k: partial(_toy_step, k, f, x) for k in kinds} | {"forward": partial(f, x)}
+    best = {k: float("inf") for k in fns}
     for _ in range(OVERHEAD_ROUNDS):
-        for k in kinds:
-            fn = (lambda: _toy_region(x)) if k == "forward" else partial(_toy_step, k, x)
-            times[k].append(time_call(fn, device, repeats=1))
-    t = {k: statistics.median(v) for k, v in times.items()}
-    return max(0.0, t["region"] - t["plain"] - t["forward"]), max(0.0, (t["sac"] - t["region"]) / _CHAIN)
+        for k, fn in fns.items():
+            best[k] = min(best[k], time_call(fn, device, repeats=1, warm=False))
+    return best
+
+
+def measure_overheads(device: str) -> tuple[float, float, float]:
+    """(region_s, saved_tensor_s, sac_op_s) on `device`, from toy chains of cheap ops stepped
+    plain, as one checkpoint region and as one region under a SAC policy, interleaved (fastest
+    of each). A region costs what it adds beyond the plain step and its recompute (the chain's
+    forward): a fixed part, and a part per tensor its ops save for backward (checkpoint's hooks
+    pack it in the forward and the recompute and unpack it in backward), fitted from chains of
+    `_CHAIN` and 4 * `_CHAIN` ops that save two tensors each; a SAC policy adds a cost per op
+    (its dispatch mode runs in the forward and the recompute), from a chain that saves none."""
+    x = torch.randn(64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
+    added = []
+    for n in (_CHAIN, 4 * _CHAIN):
+        t = _toy_times(_toy_region(n, w), x, device, ("plain", "region"))
+        added.append(t["region"] - t["plain"] - t["forward"])
+    saved_tensor_s = max(0.0, (added[1] - added[0]) / (2 * 3 * _CHAIN))
+    region_s = max(0.0, added[0] - 2 * _CHAIN * saved_tensor_s)
+    t = _toy_times(_toy_region(_CHAIN, None), x, device, ("region", "sac"))
+    return region_s, saved_tensor_s, max(0.0, (t["sac"] - t["region"]) / _CHAIN)
 
 
 @dataclass(frozen=True)
@@ -215,6 +233,7 @@ class MeasuredCosts:
     roofline stays), the overheads, and where they came from."""
     node_s: tuple[float | None, ...]
     region_s: float
+    saved_tensor_s: float       # checkpoint's hooks, per tensor saved for backward inside a region
     sac_op_s: float
     meta: dict
 
@@ -244,8 +263,8 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device) -> Me
     todo = [c for k, c in distinct.items() if k not in ops]
     ops.update({c.key: t for c, t in zip(todo, time_ops(todo, device.type))})
     timed = len(todo)
-    if "region_s" not in cache:
-        cache["region_s"], cache["sac_op_s"] = measure_overheads(device.type)
+    if "saved_tensor_s" not in cache:
+        cache["region_s"], cache["saved_tensor_s"], cache["sac_op_s"] = measure_overheads(device.type)
     if timed or "device" not in cache:
         cache["device"] = device_name(device)
         _store(path, cache)
@@ -254,4 +273,4 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device) -> Me
     meta = {"device": cache["device"], "signatures": len(distinct),
             "timed": timed, "untimed_nodes": sum(bool(node) and s is None for node, s in zip(calls, node_s)),
             "cache": str(path)}
-    return MeasuredCosts(node_s, cache["region_s"], cache["sac_op_s"], meta)
+    return MeasuredCosts(node_s, cache["region_s"], cache["saved_tensor_s"], cache["sac_op_s"], meta)

@@ -192,6 +192,7 @@ class _Runner(fx.Interpreter):
         self.mode, self.flops = mode, flops
         self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
         self.holders: dict[int, set[int]] = defaultdict(set)
+        self.saved_count: dict[int, int] = defaultdict(int)    # node -> tensors its autograd saved
         self.rec: dict[int, dict] = {}
         self.loss_i = len(self.index)
         self.hooks: list = []
@@ -213,6 +214,8 @@ class _Runner(fx.Interpreter):
 
     def pack(self, t: torch.Tensor):
         st = t.untyped_storage()
+        if self.mode.node >= 0:
+            self.saved_count[self.mode.node] += 1
         if st in self.mode.sid and self.mode.node >= 0:
             self.holders[self.mode.sid[st]].add(self.mode.node)
         return unlinked(t)
@@ -428,8 +431,9 @@ def _grad_last_users(run: _Run) -> list[int]:
 
 def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates,
                 measured: MeasuredCosts | None = None) -> tuple[NodeCost, ...]:
-    """Per node: what it makes, reads and saves, and its forward time (measured where it was,
-    else the roofline of its FLOPs, bytes moved and ops)."""
+    """Per node: what it makes, reads and saves, and its recompute time: measured where it was
+    (its ops, plus checkpoint's hooks on the tensors it saves), else the roofline of its FLOPs,
+    bytes moved and ops."""
     runner, mode = run.runner, run.mode
     nodes, loss_i = list(runner.index), runner.loss_i
     writes_fixed, param_grad, grad_last = _writes_fixed(gm, run), _param_grad_bytes(run), _grad_last_users(run)
@@ -439,6 +443,8 @@ def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates,
         why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "")
         roofline = r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s
         timed = measured.node_s[i] if measured and mode.ops[i] else None
+        if timed is not None:       # recomputed in a region, its saved tensors pass checkpoint's hooks
+            timed += measured.saved_tensor_s * runner.saved_count[i]
         costs.append(NodeCost(
             name=LOSS if is_loss else nodes[i].name,
             target=LOSS if is_loss else _target_name(gm, nodes[i]),

@@ -138,3 +138,28 @@ def test_the_cli_report_times_the_plan_and_names_the_cost_model(capsys, cache_di
     assert "(measured costs)" in out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("time ")]
     assert "unplanned" in line and "predicted" in line and "measured" in line
+
+
+def test_a_node_costs_its_ops_plus_the_hooks_on_what_it_saves(cache_dir):
+    """With the cache rewritten to known numbers (every op 1 ms, a saved tensor 1 s), a node
+    costs its ops' times plus one second per tensor its autograd saves: Linear on an input that
+    needs no gradient saves only that input (for its weight's gradient), GELU its input, a
+    residual add nothing."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.lin(x)) + x
+    m, x = M(), torch.randn(4, 8)
+    first = analyze(m, (x,), cost_model="measured").cost_graph
+    path = cache_path(torch.device("cpu"))
+    cache = json.loads(path.read_text())
+    cache["ops"] = {k: 1e-3 for k in cache["ops"]}
+    cache["saved_tensor_s"] = 1.0
+    path.write_text(json.dumps(cache))
+    cg = analyze(m, (x,), cost_model="measured").cost_graph
+    assert cg.meta["costs"]["timed"] == 0 and [c.ops for c in cg.nodes] == [c.ops for c in first.nodes]
+    saved = {c.target: round(c.cost_s - c.ops * 1e-3, 9) for c in cg.nodes[:-1]}
+    assert saved == {"Linear(lin)": 1.0, "gelu": 1.0, "add": 0.0}
