@@ -1,5 +1,6 @@
 """Measured costs: each distinct op of the profiled forward timed once on the device, with real
-tensors, and the fixed costs of a checkpoint region and of a SAC policy per op (torch side).
+tensors, and what a checkpoint region, a tensor saved inside one and a SAC policy per op cost
+there (torch side).
 
 The profile (planner/profile.py) records every op a node dispatches as an `OpCall`: the op and
 its arguments with each tensor replaced by a `TensorSpec` (shape, strides, offset, dtype,
@@ -7,9 +8,10 @@ device, requires_grad). `measured_costs` materialises each distinct signature on
 device (floating tensors drawn from a normal distribution, integer and bool ones zero, so that
 indices are valid), times it (`time_ops`: warm-up, then the fastest of several calls spread over
 the measurement, the device synchronised: a loaded machine only adds time, so the minimum is the
-op's own), and sums a node's ops, plus what checkpoint's hooks cost for each tensor the node
-saves for backward (`measure_overheads`: on CPU they cost more than recomputing a cheap op). Timings are cached in a JSON file per device and torch
-version (`cache_path`), so the next plan on the same machine times nothing and plans the same.
+op's own), and sums a node's ops; the profile adds what checkpoint's hooks cost for each tensor
+the node saves for backward (`measure_overheads`: on CPU more than recomputing a cheap op).
+Timings are cached in a JSON file per device and torch version (`cache_path`), so the next plan
+on the same machine times nothing and plans the same.
 An op that cannot be timed on made-up values (it raises) leaves its node on the roofline.
 torch's own operator-level estimator (torch.distributed._tools.RuntimeEstimator, its
 "operator-level-benchmark" mode) times ops the same way.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -122,19 +123,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn, device: str, repeats: int = REPEATS, warm: bool = True) -> float:
-    """Seconds of the fastest of `repeats` calls of `fn()` (after one warm-up call if `warm`),
-    the device synchronised around each."""
-    if warm:
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def time_call(fn, device: str) -> float:
+    """Seconds of one call of `fn()`, the device synchronised before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _runnable(call: OpCall, device: str):
@@ -168,7 +163,7 @@ def time_ops(calls: list[OpCall], device: str, rounds: int = REPEATS, chunk: int
         for _ in range(rounds):
             for j, fn in enumerate(fns):
                 if fn is not None:
-                    best[j] = min(best[j], time_call(fn, device, repeats=1, warm=False))
+                    best[j] = min(best[j], time_call(fn, device))
         out += [b if fn is not None else None for b, fn in zip(best, fns)]
     return out
 
@@ -203,7 +198,7 @@ def _toy_times(f, x: torch.Tensor, device: str, kinds=("plain", "region", "sac")
     best = {k: float("inf") for k in fns}
     for _ in range(OVERHEAD_ROUNDS):
         for k, fn in fns.items():
-            best[k] = min(best[k], time_call(fn, device, repeats=1, warm=False))
+            best[k] = min(best[k], time_call(fn, device))
     return best
 
 

@@ -223,12 +223,12 @@ class RematModule(torch.nn.Module):
             return run
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
         was_training = self.training
-        try:
-            self.train()
-            with preserved(model):
+        try:                    # a training step, in the modes planned for (planner.state.training_modes)
+            self.training = True
+            with training_modes(model), preserved(model):
                 timing = step_timing(step(model), step(self), plan.recompute_s, plan.cost_model, device)
         finally:
-            self.train(was_training)
+            self.training = was_training
         plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
         self._plans[self._last] = (plan,) + self._plans[self._last][1:]
         return plan

@@ -163,3 +163,12 @@ def test_a_node_costs_its_ops_plus_the_hooks_on_what_it_saves(cache_dir):
     assert cg.meta["costs"]["timed"] == 0 and [c.ops for c in cg.nodes] == [c.ops for c in first.nodes]
     saved = {c.target: round(c.cost_s - c.ops * 1e-3, 9) for c in cg.nodes[:-1]}
     assert saved == {"Linear(lin)": 1.0, "gelu": 1.0, "add": 0.0}
+
+
+def test_timing_a_model_in_eval_mode_times_its_training_step_and_leaves_it_in_eval():
+    ex = examples.resnet(blocks=(1,), width=8, image=16, batch=4)
+    model = copy.deepcopy(ex.model).eval()
+    w = plan_and_wrap(model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, time=True)
+    assert w.plan.regions and w.plan.meta["timing"]["rounds"] == 7
+    assert not w.training and not any(m.training for m in model.modules())
+    assert len(w.plans) == 1          # timing planned nothing more: it ran in the modes planned for
