@@ -206,10 +206,11 @@ def measure_overheads(device: str) -> tuple[float, float, float]:
     """(region_s, saved_tensor_s, sac_op_s) on `device`, from toy chains of cheap ops stepped
     plain, as one checkpoint region and as one region under a SAC policy, interleaved (fastest
     of each). A region costs what it adds beyond the plain step and its recompute (the chain's
-    forward): a fixed part, and a part per tensor its ops save for backward (checkpoint's hooks
-    pack it in the forward and the recompute and unpack it in backward), fitted from chains of
-    `_CHAIN` and 4 * `_CHAIN` ops that save two tensors each; a SAC policy adds a cost per op
-    (its dispatch mode runs in the forward and the recompute), from a chain that saves none."""
+    forward): a fixed part, from a chain of `_CHAIN` ops that save nothing, and a part per
+    tensor its ops save for backward (checkpoint's hooks pack it in the forward and the
+    recompute and unpack it in backward), the slope between chains of `_CHAIN` and 4 * `_CHAIN`
+    ops that save two tensors each; a SAC policy adds a cost per op (its dispatch mode runs in
+    the forward and the recompute), from the chain that saves nothing."""
     x = torch.randn(64, device=device, requires_grad=True)
     w = torch.randn(64, device=device, requires_grad=True)
     added = []
@@ -217,8 +218,8 @@ def measure_overheads(device: str) -> tuple[float, float, float]:
         t = _toy_times(_toy_region(n, w), x, device, ("plain", "region"))
         added.append(t["region"] - t["plain"] - t["forward"])
     saved_tensor_s = max(0.0, (added[1] - added[0]) / (2 * 3 * _CHAIN))
-    region_s = max(0.0, added[0] - 2 * _CHAIN * saved_tensor_s)
-    t = _toy_times(_toy_region(_CHAIN, None), x, device, ("region", "sac"))
+    t = _toy_times(_toy_region(_CHAIN, None), x, device)
+    region_s = max(0.0, t["region"] - t["plain"] - t["forward"])
     return region_s, saved_tensor_s, max(0.0, (t["sac"] - t["region"]) / _CHAIN)
 
 
@@ -257,10 +258,10 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device) -> Me
     distinct = {c.key: c for node in calls if node for c in node}
     todo = [c for k, c in distinct.items() if k not in ops]
     ops.update({c.key: t for c, t in zip(todo, time_ops(todo, device.type))})
-    timed = len(todo)
-    if "saved_tensor_s" not in cache:
-        cache["region_s"], cache["saved_tensor_s"], cache["sac_op_s"] = measure_overheads(device.type)
-    if timed or "device" not in cache:
+    timed, measure = len(todo), "overheads" not in cache
+    if measure:
+        cache["overheads"] = dict(zip(("region_s", "saved_tensor_s", "sac_op_s"), measure_overheads(device.type)))
+    if timed or measure:
         cache["device"] = device_name(device)
         _store(path, cache)
     node_s = tuple(None if not node or any(ops[c.key] is None for c in node) else sum(ops[c.key] for c in node)
@@ -268,4 +269,4 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device) -> Me
     meta = {"device": cache["device"], "signatures": len(distinct),
             "timed": timed, "untimed_nodes": sum(bool(node) and s is None for node, s in zip(calls, node_s)),
             "cache": str(path)}
-    return MeasuredCosts(node_s, cache["region_s"], cache["saved_tensor_s"], cache["sac_op_s"], meta)
+    return MeasuredCosts(node_s, **cache["overheads"], meta=meta)
