@@ -166,7 +166,8 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     for label, c in compiled.items():
         regions = c.plan.regions
         rows.append(dict(strategy=label, peak=c.peak, fits=c.peak <= budget, ratio=secs[label].median,
-                         low=secs[label].low, high=secs[label].high, predicted_s=None, gflop=timeline(cg, regions).recompute_flops / 1e9, plan_s=c.plan_s, same=c.same,
+                         low=secs[label].low, high=secs[label].high, predicted_s=None,
+                         gflop=timeline(cg, regions).recompute_flops / 1e9, plan_s=c.plan_s, same=c.same,
                          compiled=True, checked=True))
         notes.append(f"{label}: {len(regions)} region(s), planned peak {c.plan.predicted_peak_bytes / 1e6:.2f} MB"
                      f" (measured compiled, +1%); {c.graphs} graph(s) compiled while planning;"

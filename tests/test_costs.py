@@ -55,7 +55,7 @@ def test_a_spec_makes_a_real_tensor_of_the_same_layout():
 
 
 def test_an_op_that_cannot_run_on_made_up_values_is_not_timed():
-    spd = OpCall.of(torch.ops.aten.cholesky.default, (-torch.eye(64),), {})   # never positive definite on made-up values
+    spd = OpCall.of(torch.ops.aten.cholesky.default, (-torch.eye(64),), {})   # made-up values: never definite
     mm = OpCall.of(torch.ops.aten.mm.default, (torch.randn(3, 3), torch.randn(3, 3)), {})
     fails, works = time_ops([spd, mm], "cpu", rounds=2)
     assert fails is None and works > 0
