@@ -172,3 +172,8 @@ def test_timing_a_model_in_eval_mode_times_its_training_step_and_leaves_it_in_ev
     assert w.plan.regions and w.plan.meta["timing"]["rounds"] == 7
     assert not w.training and not any(m.training for m in model.modules())
     assert len(w.plans) == 1          # timing planned nothing more: it ran in the modes planned for
+
+
+def test_the_cli_times_eager_steps_only(capsys):
+    assert main(["report", "mlp", "--budget", "70%", "--time", "--compile"]) == 2
+    assert "drop --compile" in capsys.readouterr().err

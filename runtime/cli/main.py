@@ -131,13 +131,13 @@ def _solve(a, say):
 
 
 def cmd_report(a, say) -> int:
+    if a.time and a.compile:
+        raise UsageError("--time times the eager step: drop --compile to time the plan")
     solved = _solve(a, say)
     if solved is None:
         return 1
     loaded, analysis, plan = solved
     if a.time:
-        if a.compile:
-            raise UsageError("--time times the eager step: drop --compile to time the plan")
         say("timing the planned step against the unplanned one ...")
         plan = replace(plan, meta={**plan.meta, "timing": time_plan(loaded, analysis, plan).to_dict()})
     segs = segments(analysis.cost_graph, plan, _options(a))
