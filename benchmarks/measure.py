@@ -1,5 +1,6 @@
 """One training step of a strategy's model, its result checked against the unplanned eager step
-(float32, and float64 for compiled code), and step times taken round-robin (median). Peaks are
+(float32, and float64 for compiled code), and step times taken round-robin (median, and per
+round the ratio to a reference strategy: its median and range). Peaks are
 metered elsewhere: runtime.measure.peak_memory, or allocator_peak for compiled steps."""
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def median_step_s(models: dict, ex, repeats: int) -> dict:
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
+
+@dataclass(frozen=True)
+class Ratio:
+    """A strategy's step time as a ratio to the reference strategy's, from interleaved rounds."""
+    median: float          # median over rounds of (its step / the reference's step in that round)
+    low: float             # smallest and largest per-round ratio: the spread
+    high: float
+
+    def overlaps(self, other: "Ratio") -> bool:
+        """The two spreads overlap: no ranking between them beyond the measurement's noise."""
+        return self.low <= other.high and other.low <= self.high
+
+
+def step_ratios(models: dict, ex, repeats: int, reference_key: str = "none") -> dict[str, Ratio]:
+    """Each model's step time against `models[reference_key]`'s, timed round-robin (one step of
+    each per round, after two warm-up steps each): per-round ratios, their median and range."""
+    for model in models.values():
+        for _ in range(2):
+            step(model, ex)
+    times: dict = {k: [] for k in models}
+    for _ in range(repeats):
+        for k, model in models.items():
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            step(model, ex)
+            times[k].append(time.perf_counter() - t0)
+    base = times[reference_key]
+    out = {}
+    for k, v in times.items():
+        r = [a / b for a, b in zip(v, base)]
+        out[k] = Ratio(statistics.median(r), min(r), max(r))
+    return out

@@ -1,5 +1,6 @@
 """The benchmark's models: the built-in examples, a 2-layer GPT-2 small enough for the exact ILP,
-and (when `transformers` is installed) a Hugging Face GPT-2 with random weights."""
+a compute-bound GPT (d=512, sequence 512: matmuls, not Python overhead, decide its step time on
+CPU), and (when `transformers` is installed) a Hugging Face GPT-2 with random weights."""
 from __future__ import annotations
 
 from functools import partial
@@ -25,4 +26,6 @@ def hf_gpt2(*, batch=4, seq_len=128, seed=0) -> Example:
                                                               targets.reshape(-1)))
 
 
-MODELS = {**examples.EXAMPLES, "gpt2-2l": partial(examples.gpt2, n_layer=2), "hf-gpt2": hf_gpt2}
+MODELS = {**examples.EXAMPLES, "gpt2-2l": partial(examples.gpt2, n_layer=2),
+          "gpt-512": partial(examples.gpt2, n_layer=2, d_model=512, n_head=8, seq_len=512, batch=1),
+          "hf-gpt2": hf_gpt2}

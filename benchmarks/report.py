@@ -72,7 +72,8 @@ def header(argv: list[str]) -> str:
         "- measured peak: CPU live-tensor tracker (runtime.peak_memory); for the compiled rows (torch.compile,"
         " remat + torch.compile), allocator peak from profiler events (see the meter check)",
         "- step time: median over rounds that time one step of each strategy in turn (torch.compile: of it and"
-        " the eager model), as a ratio to no checkpointing",
+        " the eager model) of the per-round ratio to no checkpointing, with the range of those ratios (the"
+        " spread) in parentheses; the machine is shared, so the spread is part of the result",
         "- planning s: trace + profile + solve for ours; for remat + torch.compile, that plus every compile its"
         " measurements needed; for torch.compile, the compiles (first calls) its search for that budget needs"])
 
@@ -83,9 +84,15 @@ def main_table(rows: list[dict]) -> str:
     for r in rows:
         gflop = "n/a" if r["gflop"] is None else f"{r['gflop']:.3f}"
         out.append(f"| {r['model']} | {r['budget'] / 1e6:.2f} ({r['fraction']:.0%}) | {r['strategy']} | "
-                   f"{r['peak'] / 1e6:.2f} | {'yes' if r['fits'] else 'no'} | {r['ratio']:.2f}x | {gflop} | "
+                   f"{r['peak'] / 1e6:.2f} | {'yes' if r['fits'] else 'no'} | {_ratio(r)} | {gflop} | "
                    f"{r['plan_s']:.1f} | {'yes' if r['same'] else 'NO'} |")
     return "\n".join(out)
+
+
+def _ratio(r: dict) -> str:
+    if r.get("low", r["ratio"]) == r.get("high", r["ratio"]):
+        return f"{r['ratio']:.2f}x"
+    return f"{r['ratio']:.2f}x ({r['low']:.2f}-{r['high']:.2f})"
 
 
 def meter_table(meters: list[dict]) -> str:

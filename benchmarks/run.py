@@ -1,6 +1,7 @@
 """Side-by-side: our plan vs what users do instead, same model, input and budget, one process.
 
     python benchmarks/run.py [--models gpt2,resnet] [--budgets 0.3,0.5,0.7] [--quick] [--repeats 7]
+                             [--eager] [--costs measured|roofline]
 
 Budgets are fractions of the way from the smallest feasible peak to the unplanned peak. Per
 model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, for
@@ -8,7 +9,12 @@ Hugging Face models their own `gradient_checkpointing_enable()`, ours, ours then
 torch.compile with an activation memory budget) is checked to give the
 unplanned model's loss and gradients, then measured: real peak, median step time
 (forward+backward; the strategies timed in turn, round by round) as a ratio to no checkpointing,
-recomputed FLOPs, planning time.
+recomputed FLOPs, planning time. Step times come from interleaved rounds: per round, each
+strategy's step over no checkpointing's; the table gives the median and the range. Our plans are
+made with measured costs (each op timed on this machine, planner/costs.py; `--costs roofline`
+for nominal rates), and per model and budget the notes say whether ours is the fastest strategy
+that fits beyond the spread, and whether predicted and measured overheads rank the strategies
+alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out.
 Graphs of at most 90 nodes are also solved exactly, for our optimality gap. Writes
 benchmarks/results/<date>-<host>.md (a --quick run: <date>-<host>-quick.md) and a Pareto plot
 per model beside it. Timings never gate tests.
@@ -27,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import exact, report  # noqa: E402
-from benchmarks.measure import median_step_s, reference, same_result, step  # noqa: E402
+from benchmarks import exact, report, speed  # noqa: E402
+from benchmarks.measure import reference, same_result, step, step_ratios  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropout_recompute_error  # noqa: E402
 from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
@@ -59,6 +65,7 @@ class Settings:
     opts: PlanOptions
     repeats: int
     grid: tuple[float, ...]
+    compile: bool = True        # also the compiled strategies (torch.compile's knob, ours compiled)
 
 
 def budgets(cg, fractions, opts: PlanOptions) -> list[tuple[float, int]]:
@@ -95,7 +102,8 @@ def compile_row(search: CompileSearch, budget: int) -> dict | None:
     if run is None:
         return None
     return dict(strategy=f"torch.compile ({run.fraction:g})", peak=run.peak, fits=run.peak <= budget,
-                ratio=run.ratio, gflop=None, plan_s=search_s, same=run.same, compiled=True)
+                ratio=run.ratio, low=run.ratio, high=run.ratio, predicted_s=None, gflop=None, plan_s=search_s,
+                same=run.same, compiled=True)
 
 
 REMAT_COMPILE = "remat + torch.compile"
@@ -135,25 +143,30 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     torch._dynamo.reset()
     compiled, notes = {}, []
     try:
-        c = remat_compiled(ex, budget, s.opts, ref)
+        c = remat_compiled(ex, budget, s.opts, ref) if s.compile else None
     except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
         notes.append(f"{REMAT_COMPILE} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
     else:
-        if isinstance(c, InfeasibleBudgetError):
+        if c is None:
+            pass
+        elif isinstance(c, InfeasibleBudgetError):
             notes.append(f"{REMAT_COMPILE}: no compiled plan fits; smallest compiled budget (measured) "
                          f"{c.min_feasible_bytes / 1e6:.2f} MB")
         else:
             compiled[REMAT_COMPILE] = c
     graphs = graphs_now()
-    secs = median_step_s({label: gm for label, (gm, _, _) in runs.items()}
-                         | {label: c.module for label, c in compiled.items()}, ex, s.repeats)
-    rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label] / secs["none"],
+    secs = step_ratios({label: gm for label, (gm, _, _) in runs.items()}
+                       | {label: c.module for label, c in compiled.items()}, ex, s.repeats)
+    rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label].median, low=secs[label].low,
+                 high=secs[label].high,
+                 predicted_s=timeline(cg, strategies[label][0]).recompute_s if label in strategies else None,
                  gflop=timeline(cg, strategies[label][0]).recompute_flops / 1e9 if label in strategies else None,
                  plan_s=strategies[label][1] if label in strategies else 0.0,
                  same=same, compiled=False, checked=True) for label, (_, peak, same) in runs.items()]
     for label, c in compiled.items():
         regions = c.plan.regions
-        rows.append(dict(strategy=label, peak=c.peak, fits=c.peak <= budget, ratio=secs[label] / secs["none"],
+        rows.append(dict(strategy=label, peak=c.peak, fits=c.peak <= budget, ratio=secs[label].median,
+                         low=secs[label].low, high=secs[label].high, predicted_s=None,
                          gflop=timeline(cg, regions).recompute_flops / 1e9, plan_s=c.plan_s, same=c.same,
                          compiled=True, checked=True))
         notes.append(f"{label}: {len(regions)} region(s), planned peak {c.plan.predicted_peak_bytes / 1e6:.2f} MB"
@@ -165,14 +178,15 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
                         f" from the float64 step, so {'float32 rounding' if c.same else 'WRONG'}"))
     if graphs_now() != graphs:
         notes.append("the timed steps of the compiled plans recompiled (more graphs than after their first step)")
-    compiled_row = compile_row(search, budget)
-    return rows + ([compiled_row | dict(checked=False)] if compiled_row else []), ours, notes
+    compiled_row = compile_row(search, budget) if s.compile else None
+    rows += [compiled_row | dict(checked=False)] if compiled_row else []
+    return rows, ours, notes + speed.checks(rows)
 
 
 def bench_model(name: str, s: Settings) -> ModelResult:
     try:
         ex = MODELS[name]()
-        a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
+        a = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model=s.opts.cost_model)
     except (ImportError, RematError) as e:     # transformers missing, or the planner cannot take it
         return ModelResult(notes=[f"{name}: not benchmarked: {type(e).__name__}: {e}"])
     out = ModelResult(meter=meter_check(name, ex))
@@ -185,7 +199,10 @@ def bench_model(name: str, s: Settings) -> ModelResult:
         if len(a.cost_graph.nodes) <= exact.MAX_NODES:
             e = exact.exact_row(a.cost_graph, budget, ours, s.opts.safety_margin)
             out.exacts.append(dict(model=name, fraction=f, budget=budget) | e)
-    out.notes += compile_notes(name, search)
+    out.notes += compile_notes(name, search) if s.compile else []
+    out.notes.append(f"{name}: costs {a.cost_graph.meta['cost_model']}"
+                     + (f" ({a.cost_graph.meta['costs']})" if "costs" in a.cost_graph.meta else "")
+                     + f"; region {a.cost_graph.region_s * 1e6:.1f} us, SAC op {a.cost_graph.sac_op_s * 1e6:.1f} us")
     return out
 
 
@@ -232,10 +249,11 @@ def settings(a) -> tuple[list[str], Settings]:
     if a.quick:
         return (a.models or "gpt2,resnet").split(","), Settings(
             tuple(float(x) for x in (a.budgets or "0.5").split(",")),
-            PlanOptions(solve=SolveOptions(time_limit_s=4.0)), a.repeats or 3, QUICK_GRID)
-    return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,hf-gpt2").split(","), Settings(
+            PlanOptions(solve=SolveOptions(time_limit_s=4.0), cost_model=a.costs), a.repeats or 3, QUICK_GRID,
+            not a.eager)
+    return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,gpt-512,hf-gpt2").split(","), Settings(
         tuple(float(x) for x in (a.budgets or "0.3,0.5,0.7").split(",")),
-        PlanOptions(solve=SolveOptions(time_limit_s=10.0)), a.repeats or 7, GRID)
+        PlanOptions(solve=SolveOptions(time_limit_s=10.0), cost_model=a.costs), a.repeats or 7, GRID, not a.eager)
 
 
 def main(argv=None) -> int:
@@ -244,16 +262,22 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", help="comma-separated fractions (default 0.3,0.5,0.7)")
     ap.add_argument("--quick", action="store_true",
                     help="defaults to gpt2,resnet at 0.5, 3 repeats, shorter ILP limit, coarser compile grid")
-    ap.add_argument("--repeats", type=int, help="timed steps per strategy (default 7)")
+    ap.add_argument("--repeats", type=int, help="timed rounds, a step of each strategy per round (default 7)")
+    ap.add_argument("--eager", action="store_true", help="leave out the compiled strategies (no compiles)")
+    ap.add_argument("--threads", type=int, help="torch threads (default torch's; 1 is steadier on a shared machine)")
+    ap.add_argument("--costs", choices=("measured", "roofline"), default="measured",
+                    help="our plans' cost model (default measured: each op timed on this machine)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     models, s = settings(a)
     if set(models) - set(MODELS):
         ap.error(f"unknown models {sorted(set(models) - set(MODELS))}; known: {', '.join(MODELS)}")
     results = {m: bench_model(m, s) for m in models}
-    stem = report.stem(a.quick)
+    stem = report.stem(a.quick) + ("" if s.compile else "-eager")
     pngs, plot_notes = plots(results, stem)
     rows = [r for res in results.values() for r in res.rows]
-    notes = [n for res in results.values() for n in res.notes] + plot_notes + [dropout_note()]
+    notes = [n for res in results.values() for n in res.notes] + plot_notes + ([dropout_note()] if s.compile else [])
     text = report.document(sys.argv[1:] if argv is None else argv, rows,
                            [res.meter for res in results.values() if res.meter],
                            [e for res in results.values() for e in res.exacts], notes, pngs)

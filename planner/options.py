@@ -32,6 +32,10 @@ class PlanOptions:
     # the device the step will train on, when planning elsewhere ("cuda" for a model built on
     # `meta` on a laptop): its rates and its replay margin; None: the example inputs' device
     target_device: str | None = None
+    # how recompute time is estimated (planner/costs.py): "roofline" (`rates`), "measured" (each
+    # distinct op timed once on the device, cached), "auto" (measured on a CUDA device that is
+    # present, the roofline elsewhere: CPU timings swing with load, and CPU plans stay reproducible)
+    cost_model: str = "auto"
 
     def device_rates(self) -> DeviceRates | None:
         """The rates to estimate recompute time with (None: the profile takes the inputs' device's)."""

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .kernels import FLOP_FORMULAS
+from .costs import MeasuredCosts, OpCall, cost_model_for, measured_costs
 from .opaque import stand_in
 from .rates import DeviceRates
 from .simulate import timeline
@@ -103,8 +104,9 @@ def draws_random(func, args, kwargs, deterministic_ops: frozenset[str] = frozens
 class _ProfileMode(LiveBytes):
     """LiveBytes that also maps storages to ids and records per-node reads and bytes moved."""
 
-    def __init__(self, baseline, deterministic_ops: frozenset[str] = frozenset()):
+    def __init__(self, baseline, deterministic_ops: frozenset[str] = frozenset(), record_calls: bool = False):
         self.deterministic_ops = deterministic_ops
+        self.calls: dict[int, list[OpCall]] | None = defaultdict(list) if record_calls else None
         self.sid: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.bytes: list[int] = []
         self.producer: list[int] = []
@@ -155,6 +157,8 @@ class _ProfileMode(LiveBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
             self.ops[self.node] += 1
+            if self.calls is not None:      # each op as the measured cost model times it (planner/costs.py)
+                self.calls[self.node].append(OpCall.of(func, args, kwargs))
             if draws_random(func, args, kwargs, self.deterministic_ops):
                 self.random.add(self.node)
             written = written_args(func, args, kwargs)
@@ -189,6 +193,7 @@ class _Runner(fx.Interpreter):
         self.mode, self.flops = mode, flops
         self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
         self.holders: dict[int, set[int]] = defaultdict(set)
+        self.saved_count: dict[int, int] = defaultdict(int)    # node -> tensors its autograd saved
         self.rec: dict[int, dict] = {}
         self.loss_i = len(self.index)
         self.hooks: list = []
@@ -210,6 +215,8 @@ class _Runner(fx.Interpreter):
 
     def pack(self, t: torch.Tensor):
         st = t.untyped_storage()
+        if self.mode.node >= 0:
+            self.saved_count[self.mode.node] += 1
         if st in self.mode.sid and self.mode.node >= 0:
             self.holders[self.mode.sid[st]].add(self.mode.node)
         return unlinked(t)
@@ -288,7 +295,8 @@ def _module_of(n: fx.Node) -> str:
 
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
             opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None,
-            keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset()) -> CostGraph:
+            keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset(),
+            cost_model: str = "auto") -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is the stand-in of `step.training_loss`, so the plan leaves
@@ -296,20 +304,43 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     once the loss is computed (what the loss saves stays), unless `keep_output` (the caller
     holds it through backward). Ops outside torch's own namespaces draw random numbers unless
     named in `deterministic_ops` ("namespace::name").
+
+    `cost_model` says how a node's recompute time is estimated (planner/costs.py): "roofline"
+    (`rates`), "measured" (its ops timed on the device), "auto" (measured on a CUDA device that
+    is present, else the roofline); `meta["cost_model"]` says which one made the costs.
     """
-    device = next(iter(gm.parameters()), torch.empty(0)).device
+    device = _step_device(gm, inputs)
     rates = rates or DeviceRates.for_device(device)
-    run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops)
+    cost_model = cost_model_for(cost_model, device)
+    run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops, cost_model == "measured")
+    measured = measured_costs(_calls_by_node(run), device) if cost_model == "measured" else None
     cg = CostGraph(
-        nodes=_node_costs(gm, run, rates), storages=_storage_costs(run),
-        fixed_bytes=_unique_bytes(run.mode.fixed_storages), region_s=rates.region_s, sac_op_s=rates.sac_op_s,
+        nodes=_node_costs(gm, run, rates, measured), storages=_storage_costs(run),
+        fixed_bytes=_unique_bytes(run.mode.fixed_storages),
+        region_s=measured.region_s if measured else rates.region_s,
+        sac_op_s=measured.sac_op_s if measured else rates.sac_op_s,
         param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
         meta={"torch": torch.__version__, "nodes": len(run.runner.index),
               "loss": "given" if loss_fn is not None else "stand-in",
               "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,
-              "deterministic_ops": sorted(deterministic_ops), "device": device.type},
+              "deterministic_ops": sorted(deterministic_ops), "device": device.type,
+              "cost_model": cost_model, **({"costs": measured.meta} if measured else {})},
     )
     return _calibrated(cg, run)
+
+
+def _step_device(gm: fx.GraphModule, inputs: dict) -> torch.device:
+    """The device the step runs on: the parameters' (meta when any input is on meta: nothing real)."""
+    device = next(iter(gm.parameters()), torch.empty(0)).device
+    metas = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+    return metas[0].device if metas else device
+
+
+def _calls_by_node(run: "_Run") -> list[list[OpCall] | None]:
+    """Per node, the ops it dispatched; None for opaque modules (they ran out of sight: roofline)."""
+    runner = run.runner
+    opaque = {i for n, i in runner.index.items() if n.op == "call_module" and n.target in runner.opaque}
+    return [None if i in opaque else run.mode.calls.get(i, []) for i in range(runner.loss_i + 1)]
 
 
 @dataclass(frozen=True)
@@ -327,10 +358,10 @@ class _Run:
 
 
 def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], examples: dict[str, list],
-         keep_output: bool, deterministic_ops: frozenset[str]) -> _Run:
+         keep_output: bool, deterministic_ops: frozenset[str], record_calls: bool = False) -> _Run:
     """The step on fake tensors, metered node by node: forward, the loss as one more node, backward."""
     with fake_step(gm, inputs) as fake:
-        mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops)
+        mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops, record_calls=record_calls)
         mode.track_fixed([t.untyped_storage() for t in fake.fixed], [t.untyped_storage() for t in fake.made_from])
         opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
         flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
@@ -399,7 +430,11 @@ def _grad_last_users(run: _Run) -> list[int]:
     return grad_last
 
 
-def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates) -> tuple[NodeCost, ...]:
+def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates,
+                measured: MeasuredCosts | None = None) -> tuple[NodeCost, ...]:
+    """Per node: what it makes, reads and saves, and its recompute time: measured where it was
+    (its ops, plus checkpoint's hooks on the tensors it saves), else the roofline of its FLOPs,
+    bytes moved and ops."""
     runner, mode = run.runner, run.mode
     nodes, loss_i = list(runner.index), runner.loss_i
     writes_fixed, param_grad, grad_last = _writes_fixed(gm, run), _param_grad_bytes(run), _grad_last_users(run)
@@ -407,12 +442,16 @@ def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates) -> tuple[Node
     for i in range(loss_i + 1):
         r, is_loss = runner.rec[i], i == loss_i
         why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "")
+        roofline = r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s
+        timed = measured.node_s[i] if measured and mode.ops[i] else None
+        if timed is not None:       # recomputed in a region, its saved tensors pass checkpoint's hooks
+            timed += measured.saved_tensor_s * runner.saved_count[i]
         costs.append(NodeCost(
             name=LOSS if is_loss else nodes[i].name,
             target=LOSS if is_loss else _target_name(gm, nodes[i]),
             module="" if is_loss else _module_of(nodes[i]),
             flops=int(r["flops"]),
-            cost_s=r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s,
+            cost_s=roofline if timed is None else timed,
             ops=mode.ops[i], random=i in mode.random or i in runner.host_random,
             opaque=not is_loss and nodes[i].op == "call_module" and nodes[i].target in runner.opaque,
             fwd_extra_bytes=int(r["extra"]), bwd_extra_bytes=0,

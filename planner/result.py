@@ -53,6 +53,12 @@ class Plan:
         return self.meta.get("peak_phase", "")
 
     @property
+    def cost_model(self) -> str:
+        """What estimated `recompute_s`: "roofline" (nominal rates) or "measured" (each op timed on
+        the device: planner/costs.py; a module-tree plan's are its units' forwards, timed)."""
+        return self.meta.get("cost_model", "measured" if self.trace_path == "module tree" else "roofline")
+
+    @property
     def extra_compute_pct(self) -> float:
         return 100.0 * self.recompute_s / self.forward_s if self.forward_s else 0.0
 
@@ -81,7 +87,7 @@ class Plan:
             + (f", smallest feasible {gb(self.min_feasible_bytes)}" if self.min_feasible_bytes else "")
             + ")" + (f", held by the {self.peak_phase}" if self.peak_phase else ""),
             f"recompute {self.recompute_flops / 1e9:.2f} GFLOP of {self.total_flops / 1e9:.2f} GFLOP forward;"
-            f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward",
+            f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward ({self.cost_model} costs)",
             f"solver {self.solver}: {self.status}, {self.gap_text}, {self.solve_s:.2f} s",
             f"graph: {self.trace_path}" + "".join(f"; {p} not taken ({why})"
                                                   for p, why in self.meta.get("trace_attempts", ())),
@@ -96,4 +102,6 @@ class Plan:
         for mod, why in self.opaque:
             lines.append(f"  opaque module {mod}: {why}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if "timing" in self.meta:                # runtime.measure.timing, with plan_and_wrap(time=True)
+            lines.append(f"timed: {self.meta['timing']['text']}")
         return "\n".join(lines)

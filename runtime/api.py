@@ -23,7 +23,8 @@ from planner.rng import rng_preserved
 from planner.state import mode_key, state_preserved, training_modes
 from planner.trace import MEASURED_WHY, capture
 
-from .measure import dry_run_peak
+from .measure import dry_run_peak, preserved, training_loss
+from .measure.timing import step_timing
 from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
 
 
@@ -205,6 +206,33 @@ class RematModule(torch.nn.Module):
         self._last = key
         return plan
 
+    def time_plan(self, *args, **kwargs) -> Plan:
+        """Time a training step under the plan for inputs like these against the unplanned step,
+        on these inputs (runtime.measure.timing: interleaved rounds, medians, spread); the plan,
+        with the measured and the predicted overhead in `meta["timing"]`, is returned and cached.
+        Gradients, buffers and RNG states are as they were before."""
+        plan = self.plan_for(*args, **kwargs)
+        model, loss_fn = self._model[0], self._loss_fn
+        params = list(model.parameters())
+
+        def step(fn):
+            def run():
+                for p in params:
+                    p.grad = None
+                training_loss(fn(*args, **kwargs), loss_fn).backward()
+            return run
+        device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
+        was_training = self.training
+        try:                    # a training step, in the modes planned for (planner.state.training_modes)
+            self.training = True
+            with training_modes(model), preserved(model):
+                timing = step_timing(step(model), step(self), plan.recompute_s, plan.cost_model, device)
+        finally:
+            self.training = was_training
+        plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
+        self._plans[self._last] = (plan,) + self._plans[self._last][1:]
+        return plan
+
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
         try:
@@ -274,7 +302,8 @@ def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
 
 def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,
                   loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
-                  compile: bool | dict = False, optimizer: torch.optim.Optimizer | None = None) -> RematModule:
+                  compile: bool | dict = False, optimizer: torch.optim.Optimizer | None = None,
+                  time: bool = False) -> RematModule:
     """Wrap `model` so that one training step fits `budget` at the least recompute: a number of GB
     (10^9 bytes) or a string as the CLI takes it ('24GB', '8GiB', '500MB', or '40%' of the step's
     unplanned peak, resolved per input shape).
@@ -292,6 +321,10 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     tried is compiled and measured with real steps on the example inputs, since Inductor decides
     what else to save; the plan's predicted peak is that measured peak.
 
+    `time=True` (with example inputs) also times the planned step against the unplanned one on
+    them (`RematModule.time_plan`): `plan.meta["timing"]`, and a line of `plan.summary()`, give
+    the measured overhead beside the predicted one.
+
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     >>> w = plan_and_wrap(m, 1.0, example_inputs=(torch.randn(32, 64),))
@@ -302,6 +335,10 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs, optimizer)
     if example_inputs is not None or example_kwargs is not None:
         wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
+        if time:
+            wrapped.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
+    elif time:
+        raise ValueError("time=True times the plan on the example inputs: pass example_inputs or example_kwargs")
     return wrapped
 
 

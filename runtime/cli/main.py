@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +38,7 @@ from planner.budget import parse_budget, parse_budget_range, parse_percent, size
 from .report import report_text, segments, table
 from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
                       solve_budget, unplanned_peak_bytes)
+from .session import time_plan
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
 
@@ -79,7 +80,7 @@ def _json(obj) -> str:
 # ----------------------------------------------------------------------------- commands
 def _options(a) -> PlanOptions:
     return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)),
-                       accumulation_steps=a.accumulation, target_device=a.target_device)
+                       accumulation_steps=a.accumulation, target_device=a.target_device, cost_model=a.costs)
 
 
 def _load(a) -> Loaded:
@@ -130,10 +131,15 @@ def _solve(a, say):
 
 
 def cmd_report(a, say) -> int:
+    if a.time and a.compile:
+        raise UsageError("--time times the eager step: drop --compile to time the plan")
     solved = _solve(a, say)
     if solved is None:
         return 1
     loaded, analysis, plan = solved
+    if a.time:
+        say("timing the planned step against the unplanned one ...")
+        plan = replace(plan, meta={**plan.meta, "timing": time_plan(loaded, analysis, plan).to_dict()})
     segs = segments(analysis.cost_graph, plan, _options(a))
     if a.json:
         print(_json({"fits": True, "model": loaded.label, "plan": asdict(plan),
@@ -319,6 +325,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", help="with --hf-config: fp32, bf16 or fp16 (default bf16)")
 
 
+def _costs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--costs", choices=("auto", "measured", "roofline"), default="auto",
+                   help="recompute cost model: each op timed on the device (measured, cached), nominal rates "
+                        "(roofline), or auto: measured on a CUDA device, roofline elsewhere (default auto)")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="remat", description="Plan activation checkpointing to fit a memory budget.",
                                  epilog="exit codes: 0 fits, 1 does not fit, 2 usage or model error")
@@ -326,6 +338,8 @@ def parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the plan for a budget, region by region")
     report.add_argument("model", nargs="?", help=_MODEL_HELP + " (default gpt2)")
     report.add_argument("--budget", required=True, help=_BUDGET_HELP)
+    report.add_argument("--time", action="store_true", help="also time the planned step against the unplanned "
+                        "one on the example inputs: measured and predicted overhead side by side")
     check = sub.add_parser("check", help="exit 0 if the model's training step fits the budget, 1 if not")
     check.add_argument("model", nargs="?", help=_MODEL_HELP)
     check.add_argument("--budget", required=True, help=_BUDGET_HELP)
@@ -341,6 +355,7 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-plot", action="store_true", help="the table only (no matplotlib needed)")
     for p in (report, check, sweep):
         _common(p)
+        _costs(p)
     for p in (report, check):
         p.add_argument("--compile", action="store_true",
                        help="plan for the torch.compile'd step: each plan tried is compiled and its real step "

@@ -26,7 +26,7 @@ class Segment:
     kept_bytes: int           # activations made in the region still kept for backward
     recomputed_bytes: int     # activations the unplanned step keeps and this region drops
     recompute_flops: int
-    recompute_s: float        # estimated (roofline) time of its recompute
+    recompute_s: float        # estimated time of its recompute and its fixed cost (Plan.cost_model says how)
     peak_without_bytes: int   # predicted peak of the plan without this region (safety margin included)
     needed: bool              # without it the plan is over budget
 
@@ -108,10 +108,12 @@ def report_text(plan: Plan, segs: list[Segment], label: str, budget_text: str) -
         + (f"; held by the {plan.peak_phase}" if plan.peak_phase else ""),
         f"extra compute  {plan.extra_compute_pct:.1f}% of the forward: recompute "
         f"{plan.recompute_flops / 1e9:.3g} of {plan.total_flops / 1e9:.3g} GFLOP, "
-        f"est. {plan.recompute_s * 1e3:.1f} ms",
+        f"est. {plan.recompute_s * 1e3:.1f} ms ({plan.cost_model} costs)",
         f"solver         {plan.solver}: {plan.status}, {plan.gap_text}, {plan.solve_s:.2f} s",
-        "",
     ]
+    if "timing" in plan.meta:               # --time: runtime.measure.timing
+        lines.append(f"time           {plan.meta['timing']['text']}")
+    lines.append("")
     if segs:
         rows = [[str(s.index), f"{s.start}..{s.end}", s.modules, _mode(s), size_text(s.kept_bytes),
                  size_text(s.recomputed_bytes), f"{s.recompute_flops / 1e9:.3f}", f"{s.recompute_s * 1e3:.2f}",

@@ -34,6 +34,7 @@ from planner.result import Plan
 from .. import examples
 from ..api import ExactReplay
 from ..measure import peak_memory, preserved, training_loss
+from ..measure.timing import StepTiming, step_timing
 from ..rewrite import CompiledReplay, rewrite_plan
 
 
@@ -229,3 +230,11 @@ def measure_extra_pct(loaded: Loaded, analysis: Analysis, plan: Plan) -> float:
     with preserved(loaded.model):
         base_s, planned_s, forward_s = _best_times_s(fns, _device(loaded))
     return 100.0 * (planned_s - base_s) / forward_s
+
+
+def time_plan(loaded: Loaded, analysis: Analysis, plan: Plan) -> StepTiming:
+    """The plan's real step against the unplanned step on the example inputs, timed in
+    interleaved rounds (runtime.measure.timing), beside the plan's own estimate."""
+    fns = [_step_fn(loaded, _forward_fn(loaded, analysis, p)) for p in (None, plan)]
+    with preserved(loaded.model):
+        return step_timing(*fns, plan.recompute_s, plan.cost_model, _device(loaded))

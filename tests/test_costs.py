@@ -1,0 +1,179 @@
+"""Measured costs (planner/costs.py) and the closed loop (runtime/measure/timing.py): which cost
+model a plan is made with and says it was, the cache that makes measured plans repeatable, and
+timing that leaves the model as it was. No assertion depends on how fast anything ran."""
+import copy
+import json
+
+import pytest
+import torch
+
+from planner import PlanOptions, SolveOptions, analyze, plan
+from planner.costs import CostModelError, OpCall, TensorSpec, cache_path, cost_model_for, measured_costs, time_ops
+from planner.result import Plan
+from runtime import examples, plan_and_wrap
+from runtime.cli.main import main
+
+FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def small_mlp():
+    return examples.mlp(depth=4, width=64, batch=32, in_features=32)
+
+
+def test_auto_is_the_roofline_off_cuda_and_measured_needs_a_real_device():
+    assert cost_model_for("auto", torch.device("cpu")) == "roofline"
+    assert cost_model_for("auto", torch.device("meta")) == "roofline"
+    assert cost_model_for("measured", torch.device("cpu")) == "measured"
+    with pytest.raises(CostModelError, match="cost_model='roofline'"):
+        cost_model_for("measured", torch.device("meta"))
+    with pytest.raises(ValueError, match="auto, measured, roofline"):
+        cost_model_for("timed", torch.device("cpu"))
+
+
+def test_a_meta_model_cannot_be_planned_with_measured_costs():
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        x = torch.randn(4, 8)
+    with pytest.raises(CostModelError, match="model is on meta"):
+        analyze(m, (x,), cost_model="measured")
+    assert analyze(m, (x,)).cost_graph.meta["cost_model"] == "roofline"
+
+
+def test_a_spec_makes_a_real_tensor_of_the_same_layout():
+    t = torch.randn(6, 4)[1:].t()             # strided, offset, non-contiguous
+    spec = TensorSpec.of(t)
+    real = spec.real(grad=True)
+    assert (real.shape, real.stride(), real.storage_offset(), real.dtype) == (t.shape, t.stride(), 4, t.dtype)
+    idx = TensorSpec.of(torch.tensor([3, 1])).real(grad=True)
+    assert idx.dtype == torch.int64 and not idx.any() and not idx.requires_grad    # indices: zero, always valid
+
+
+def test_an_op_that_cannot_run_on_made_up_values_is_not_timed():
+    spd = OpCall.of(torch.ops.aten.cholesky.default, (-torch.eye(64),), {})   # made-up values: never definite
+    mm = OpCall.of(torch.ops.aten.mm.default, (torch.randn(3, 3), torch.randn(3, 3)), {})
+    fails, works = time_ops([spd, mm], "cpu", rounds=2)
+    assert fails is None and works > 0
+
+
+def test_measured_costs_come_from_the_cache_the_second_time(cache_dir):
+    ex = small_mlp()
+    first = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured").cost_graph
+    costs = first.meta["costs"]
+    assert first.meta["cost_model"] == "measured" and costs["timed"] == costs["signatures"] > 0
+    assert costs["untimed_nodes"] == 0
+    path = cache_path(torch.device("cpu"))
+    assert path.parent == cache_dir and len(json.loads(path.read_text())["ops"]) == costs["signatures"]
+    second = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured").cost_graph
+    assert second.meta["costs"]["timed"] == 0               # nothing timed again: the same plan inputs
+    assert [c.cost_s for c in second.nodes] == [c.cost_s for c in first.nodes]
+    assert (second.region_s, second.sac_op_s) == (first.region_s, first.sac_op_s)
+    cached = json.loads(path.read_text())
+    assert (first.region_s, first.sac_op_s) == (cached["overheads"]["region_s"], cached["overheads"]["sac_op_s"])
+    roofline = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="roofline").cost_graph
+    assert "costs" not in roofline.meta and [c.flops for c in roofline.nodes] == [c.flops for c in first.nodes]
+
+
+def test_a_node_with_an_untimed_op_keeps_its_roofline(cache_dir):
+    calls = [[OpCall.of(torch.ops.aten.cholesky.default, (-torch.eye(64),), {})],
+             [OpCall.of(torch.ops.aten.relu.default, (torch.randn(8),), {})], [], None]
+    m = measured_costs(calls, torch.device("cpu"))
+    assert m.node_s[0] is None and m.node_s[1] > 0 and m.node_s[2] is None and m.node_s[3] is None
+    assert m.meta["untimed_nodes"] == 1
+
+
+def test_the_plan_says_which_cost_model_made_it(cache_dir):
+    ex = small_mlp()
+    for model in ("roofline", "measured"):
+        p = plan(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn,
+                 options=PlanOptions(solve=FAST.solve, cost_model=model))
+        assert p.cost_model == model and f"({model} costs)" in p.summary()
+        assert Plan.from_json(p.to_json()).cost_model == model
+
+
+def test_timing_a_plan_leaves_the_model_as_it_was_and_reports_both_overheads():
+    ex = examples.resnet(blocks=(1, 1), width=8, image=16, batch=4)    # BatchNorm: buffers a step writes
+    ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
+    w = plan_and_wrap(model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, time=True)
+    t = w.plan.meta["timing"]
+    assert t["rounds"] == 7 and t["ratio_low"] <= t["ratio"] <= t["ratio_high"] and t["unplanned_s"] > 0
+    assert t["predicted_extra_s"] == w.plan.recompute_s and t["cost_model"] == "roofline"
+    assert "timed: step" in w.plan.summary() and "predicted" in t["text"]
+    assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(ref.buffers(), model.buffers()):
+        assert torch.equal(a, b)                          # running statistics untouched by the timed steps
+    torch.manual_seed(0)
+    ex.loss_fn(ref(*ex.inputs)).backward()
+    torch.manual_seed(0)
+    ex.loss_fn(w(*ex.inputs)).backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert w.plan_for(*ex.inputs).meta["timing"] == t      # the timed plan is the one cached
+
+
+def test_time_needs_example_inputs():
+    ex = small_mlp()
+    with pytest.raises(ValueError, match="pass example_inputs"):
+        plan_and_wrap(ex.model, "70%", time=True)
+
+
+SMALL = """import torch
+def make():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+    return m, (torch.randn(512, 64),)
+"""
+
+
+def test_the_cli_report_times_the_plan_and_names_the_cost_model(capsys, cache_dir):
+    (cache_dir / "small.py").write_text(SMALL)
+    assert main(["report", f"{cache_dir / 'small.py'}:make", "--budget", "90%", "--time", "--costs", "measured",
+                 "--quiet", "--time-limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(measured costs)" in out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("time ")]
+    assert "unplanned" in line and "predicted" in line and "measured" in line
+
+
+def test_a_node_costs_its_ops_plus_the_hooks_on_what_it_saves(cache_dir):
+    """With the cache rewritten to known numbers (every op 1 ms, a saved tensor 1 s), a node
+    costs its ops' times plus one second per tensor its autograd saves: Linear on an input that
+    needs no gradient saves only that input (for its weight's gradient), GELU its input, a
+    residual add nothing."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.lin(x)) + x
+    m, x = M(), torch.randn(4, 8)
+    first = analyze(m, (x,), cost_model="measured").cost_graph
+    path = cache_path(torch.device("cpu"))
+    cache = json.loads(path.read_text())
+    cache["ops"] = {k: 1e-3 for k in cache["ops"]}
+    cache["overheads"]["saved_tensor_s"] = 1.0
+    path.write_text(json.dumps(cache))
+    cg = analyze(m, (x,), cost_model="measured").cost_graph
+    assert cg.meta["costs"]["timed"] == 0 and [c.ops for c in cg.nodes] == [c.ops for c in first.nodes]
+    saved = {c.target: round(c.cost_s - c.ops * 1e-3, 9) for c in cg.nodes[:-1]}
+    assert saved == {"Linear(lin)": 1.0, "gelu": 1.0, "add": 0.0}
+
+
+def test_timing_a_model_in_eval_mode_times_its_training_step_and_leaves_it_in_eval():
+    ex = examples.resnet(blocks=(1,), width=8, image=16, batch=4)
+    model = copy.deepcopy(ex.model).eval()
+    w = plan_and_wrap(model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, time=True)
+    assert w.plan.regions and w.plan.meta["timing"]["rounds"] == 7
+    assert not w.training and not any(m.training for m in model.modules())
+    assert len(w.plans) == 1          # timing planned nothing more: it ran in the modes planned for
+
+
+def test_the_cli_times_eager_steps_only(capsys):
+    assert main(["report", "mlp", "--budget", "70%", "--time", "--compile"]) == 2
+    assert "drop --compile" in capsys.readouterr().err
