@@ -88,8 +88,9 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     state = cg.meta.get("optimizer_state_bytes")
     if state is not None and full:           # measured on unsharded parameters: a rank steps its shard
         ratio = shards / full
-        out = replace(out, fixed_bytes=out.fixed_bytes - state + round(state * ratio),
-                      optimizer_step_bytes=round((cg.optimizer_step_bytes or 0) * ratio))
+        step = round((cg.optimizer_step_bytes or 0) * ratio)
+        out = replace(out, fixed_bytes=out.fixed_bytes - state + round(state * ratio), optimizer_step_bytes=step,
+                      meta={**out.meta, "optimizer_state_bytes": round(state * ratio), "optimizer_step_bytes": step})
     return out
 
 

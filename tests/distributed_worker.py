@@ -66,6 +66,11 @@ def model() -> Tiny:
     return Tiny()
 
 
+def factory():
+    """For the CLI (`tests/distributed_worker.py:factory`): the model and one rank's batch."""
+    return model(), (batch().chunk(WORLD)[0],), loss_fn
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 

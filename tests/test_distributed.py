@@ -124,3 +124,33 @@ def test_two_gloo_ranks_train_like_one_process_and_fit(config, tmp_path):
     assert res["ranks"][0]["predicted"] == res["ranks"][1]["predicted"]     # one plan, broadcast
     if config == "fsdp":
         assert all(rank["resharded_after_forward"] for rank in res["ranks"])
+
+
+def _report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", "report", "tests/distributed_worker.py:factory",
+                           "--budget", "90%", "--optimizer", "adamw", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_the_cli_plans_a_rank_of_any_world_from_one_process():
+    """`remat report MODEL --world-size N --fsdp` on a fake process group: one rank's step, its
+    shards and optimizer state shrinking with N; --ddp holds the whole model and its buckets."""
+    plans = {}
+    for flags in (("--world-size", "2", "--fsdp"), ("--world-size", "64", "--fsdp"), ("--world-size", "2", "--ddp")):
+        r = _report(*flags, "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        plans[flags] = json.loads(r.stdout)["plan"]
+    two, many, ddp = plans.values()
+    assert two["meta"]["distributed"] == {**two["meta"]["distributed"], "engine": "fsdp", "world_size": 2}
+    assert many["meta"]["distributed"]["world_size"] == 64
+    assert many["unplanned_peak_bytes"] < two["unplanned_peak_bytes"] < ddp["unplanned_peak_bytes"]
+    assert many["meta"]["optimizer_state_bytes"] < two["meta"]["optimizer_state_bytes"]
+    assert all(p["predicted_peak_bytes"] <= p["budget_bytes"] for p in plans.values())
+
+
+def test_the_cli_refuses_what_one_process_cannot_do_for_a_job():
+    r = subprocess.run([sys.executable, "-m", "runtime", "sweep", "tests/distributed_worker.py:factory",
+                        "--budgets", "50%..90%", "--world-size", "8", "--fsdp", "--no-plot"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--fsdp and --ddp plan one rank" in r.stderr
