@@ -11,10 +11,12 @@ S_U this rank's shard of them as stored, g_U its gradients unsharded, s_U this r
 them. Per rank:
   F'         = F - sum_U P_U + sum_U S_U + P_root: sharded parameters live throughout; the root
                unit's are all-gathered once and held for the step (FSDP2 does not reshard the
-               root after forward),
+               root after forward); its all-gather's buffers (P_root + S_root) at node 0's
+               forward, its reduce-scatter's (g_root + s_root) at node 0's backward, the last,
   held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
                buffers (P_U + S_U, freed once copied out), plus P_V of every unit V whose forward
-               ran before t and that is not resharded after forward,
+               ran before t and that is not resharded after forward, plus the flat output of the
+               latest all-gather (FSDP2 keeps it until it issues the next one),
   held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
                unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
                the reduce-scatter's buffers (g_U + s_U), plus P_V of the units not resharded after
@@ -115,6 +117,10 @@ def _spans(where: list[str]) -> dict[str, tuple[int, int]]:
 def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], list[int]]:
     """Unsharded parameters (and the all-gather's buffers) held at each node, forward and backward."""
     fwd, bwd = [0] * n, [0] * n
+    root = units.get("")
+    if root is not None:            # gathered before the first node, reduce-scattered after the last backward
+        fwd[0] += root.unsharded_bytes + root.shard_bytes
+        bwd[0] += root.grad_bytes + root.grad_shard_bytes
     order = sorted(spans, key=lambda u: spans[u][0])
     for k, name in enumerate(order):
         u, (lo, hi) = units[name], spans[name]
@@ -131,7 +137,19 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
                 fwd[t] += u.unsharded_bytes
             for t in range(hi + 1, n):
                 bwd[t] += u.unsharded_bytes
+    _retained(fwd, [(spans[u], units[u].unsharded_bytes) for u in order], root)
     return fwd, bwd
+
+
+def _retained(fwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None) -> None:
+    """FSDP2 keeps the output of its latest all-gather until it issues the next one (a stream may
+    still copy out of it): in forward, at each node, the flat buffer of the unit gathered last
+    (the root's before the first unit). In backward the all-gather buffers at hi_U cover it."""
+    n = len(fwd)
+    issued = [(0, root.unsharded_bytes if root else 0)] + [(lo, size) for (lo, _), size in spans]
+    for (start, size), nxt in zip(issued, issued[1:] + [(n, 0)]):
+        for t in range(start, nxt[0]):
+            fwd[t] += size
 
 
 def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int]) -> None:

@@ -52,8 +52,9 @@ def test_per_rank_fsdp_by_hand():
     assert cg.fixed_bytes == (40 - 32 + 16) * MB                  # parameters as shards
     assert [c.unit for c in cg.nodes] == ["", "a", "a", "b", "b", ""]
     assert not cg.nodes[0].recomputable and cg.nodes[0].why_not == ROOT_WHY
-    # forward: a unit's parameters while it runs, and at its first node the all-gather's buffers
-    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24, 16, 16 + 24, 16, 0]
+    # forward: a unit's parameters while it runs, at its first node the all-gather's buffers, and
+    # the latest all-gather's output, kept until the next all-gather (b's through the loss)
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 16]
     # backward (b runs first, with a prefetched): parameters, its gradients until the
     # reduce-scatter at its first node, whose buffers (16 + 8) are there too
     assert [c.bwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 24, 16 + 24 + 8,
@@ -154,3 +155,24 @@ def test_the_cli_refuses_what_one_process_cannot_do_for_a_job():
                         "--budgets", "50%..90%", "--world-size", "8", "--fsdp", "--no-plot"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--fsdp and --ddp plan one rank" in r.stderr
+
+
+def test_parameters_with_freed_storage_profile_as_the_real_ones():
+    """The planning copy's parameters hold no memory (their storage freed, as FSDP2 frees gathered
+    ones): the profile sees them at their full size, so it equals the real model's."""
+    import torch
+
+    from planner import analyze
+    from runtime.distributed import _empty
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 50))
+    x = torch.randint(0, 50, (4, 8))
+    real = analyze(m, (x,)).cost_graph
+    for mod in m.modules():
+        for k, p in list(mod._parameters.items()):
+            mod._parameters[k] = torch.nn.Parameter(_empty(p.shape, p.dtype, p.device))
+    assert sum(p.untyped_storage().nbytes() for p in m.parameters()) == 0
+    freed = analyze(m, (x,)).cost_graph
+    assert (freed.fixed_bytes, freed.param_bytes) == (real.fixed_bytes, real.param_bytes)
+    assert timeline(freed, ()).peak_bytes == timeline(real, ()).peak_bytes
