@@ -19,8 +19,10 @@ them. Per rank:
                latest all-gather (FSDP2 keeps it until it issues the next one),
   held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
                unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
-               the reduce-scatter's buffers (g_U + s_U), plus P_V of the units not resharded after
-               forward whose backward has not run yet,
+               the reduce-scatter's buffers (g_U + s_U), the input of the previous unit's
+               reduce-scatter (kept by FSDP2 until it issues the next), plus P_V of the units not
+               resharded after forward whose backward has not run yet, plus the latest
+               all-gather's flat output (as in forward),
   param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
 The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
 Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
@@ -137,23 +139,41 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
                 fwd[t] += u.unsharded_bytes
             for t in range(hi + 1, n):
                 bwd[t] += u.unsharded_bytes
-    _retained(fwd, [(spans[u], units[u].unsharded_bytes) for u in order], root)
+    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root, prefetch)
     return fwd, bwd
 
 
-def _retained(fwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None) -> None:
-    """FSDP2 keeps the output of its latest all-gather until it issues the next one (a stream may
-    still copy out of it): in forward, at each node, the flat buffer of the unit gathered last
-    (the root's before the first unit). In backward the all-gather buffers at hi_U cover it."""
+def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None,
+              prefetch: int) -> None:
+    """FSDP2 keeps the flat output of its latest all-gather until it issues the next one (a
+    stream may still copy out of it). Forward: the unit gathered last (the root's before the
+    first unit). Backward: the last one issued, U's and its prefetch's at hi_U (forward's last
+    before that); whether it is freed before a node's peak depends on the collective's thread
+    (measured on gloo: one unit's P_U either way), so it is counted."""
     n = len(fwd)
     issued = [(0, root.unsharded_bytes if root else 0)] + [(lo, size) for (lo, _), size in spans]
     for (start, size), nxt in zip(issued, issued[1:] + [(n, 0)]):
         for t in range(start, nxt[0]):
             fwd[t] += size
+    held = [spans[-1][1] if spans else 0] * n
+    for k in range(len(spans) - 1, -1, -1):
+        (lo, hi), _ = spans[k]
+        size = spans[max(0, k - prefetch)][1]
+        for t in range(0, hi + 1):
+            held[t] = size
+    for t in range(n):
+        bwd[t] += held[t]
 
 
 def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int]) -> None:
-    """Unsharded gradients of a unit, from their node's backward to the unit's reduce-scatter."""
+    """Unsharded gradients of a unit, from their node's backward to the unit's reduce-scatter;
+    the reduce-scatter's input, which FSDP2 keeps until it issues the next one (the next unit's
+    in backward order), through that unit's backward."""
+    order = sorted(spans, key=lambda u: spans[u][0])
+    for before, after in zip(order, order[1:]):        # `after`'s backward runs first
+        lo, hi = spans[before]
+        for t in range(lo, hi + 1):
+            bwd[t] += units[after].grad_bytes
     for name, (lo, hi) in spans.items():
         u = units[name]
         for i in range(lo, hi + 1):

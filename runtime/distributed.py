@@ -222,20 +222,25 @@ def _unit_forward(name: str, unit: torch.nn.Module, plain: torch.nn.Module, plan
 
 # ---- the plan ------------------------------------------------------------------------------
 
-def _agreed(plan: Plan | None) -> Plan:
-    """Rank 0's plan on every rank (the broadcast of its JSON); `plan` itself without a group."""
+def _agreed(solve: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank: it solves, and broadcasts the plan's JSON, or the error it
+    raised (an infeasible budget), which every rank then raises. Without a group, `solve()`."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return plan
-    box = [plan.to_json() if dist.get_rank() == 0 else None]
+        return solve()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [solve().to_json()]
+        except Exception as e:          # every rank raises it, none waits for a plan
+            box = [e]
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
     return Plan.from_json(box[0])
 
 
-def _solve(cg, budget: Budget, options: PlanOptions, opaque) -> Plan | None:
-    """Rank 0 solves (the simulator's prediction, per rank); the others wait for its plan. An
-    infeasible budget is raised on every rank."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
+def _solve(cg, budget: Budget, options: PlanOptions, opaque) -> Plan:
+    """The per-rank plan (the simulator's prediction); an infeasible budget in the budget's unit."""
     budget_bytes = budget.bytes_of(unplanned_peak_bytes(cg, options))
     try:
         return solve_plan(cg, budget_bytes, options, opaque)
@@ -297,8 +302,7 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
         if isinstance(m.__dict__.get("forward"), GraphForward):
             del m.__dict__["forward"]
     cg, plain, a = plan_step(model, budget, args, kwargs, loss_fn, options, optimizer)
-    plan = _agreed(_solve(cg, budget, options, a.traced.opaque))
-    plan = Plan.from_json(plan.to_json())
+    plan = Plan.from_json(_agreed(lambda: _solve(cg, budget, options, a.traced.opaque)).to_json())
     plan.meta["units"] = [c.unit for c in cg.nodes]
     flat = compute_nodes(a.traced.gm)
     if engine(model) == "ddp":

@@ -4,7 +4,7 @@ trains the plain model on the global batch as the oracle. Run by tests/test_dist
     python tests/distributed_worker.py CONFIG PORT OUT.json
 
 CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
-no optimizer) or "ddp" (AdamW). Writes per rank: the plan's budget, prediction and regions, the
+no optimizer), "ddp" (AdamW), or "infeasible" (FSDP2 and a budget no plan fits). Writes per rank: the plan's budget, prediction and regions, the
 measured peak of the third step (allocator events; DDP adds its reducer's buckets, allocated
 before the step), whether units were resharded after forward; and the largest gradient and
 parameter differences from the oracle.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime import plan_and_wrap                         # noqa: E402
 from runtime.measure.peak import allocator_peak           # noqa: E402
 
-WORLD, BATCH, SEQ = 2, 8, 64
+WORLD, BATCH, SEQ = 2, 8, 256
 STEPS = 3                # two warm-up steps, the third measured
 BUDGET = "80%"
 
@@ -95,6 +95,8 @@ def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     local = batch().chunk(WORLD)[rank]
+    if config == "infeasible":
+        return _infeasible(rank, m, local, out_dir)
     w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn, optimizer=opt)
     resharded = []
 
@@ -126,6 +128,19 @@ def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _infeasible(rank: int, m, local, out_dir: str) -> None:
+    """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
+    from planner.errors import InfeasibleBudgetError
+    try:
+        plan_and_wrap(m, "1MB", example_inputs=(local,), loss_fn=loss_fn)
+        result = {"raised": None}
+    except InfeasibleBudgetError as e:
+        result = {"raised": type(e).__name__, "min_feasible": e.min_feasible_bytes, "unit": e.unit}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 def oracle(config: str):
     """One process, the plain model, the global batch: the steps the ranks take."""
     m = model()
@@ -143,6 +158,11 @@ def oracle(config: str):
 def main(config: str, port: int, out: str) -> None:
     out_dir = os.path.dirname(os.path.abspath(out))
     mp.spawn(rank_main, args=(config, port, out_dir), nprocs=WORLD)
+    if config == "infeasible":
+        ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
+        with open(out, "w") as f:
+            json.dump({"ranks": ranks}, f)
+        return
     grads, params = torch.load(os.path.join(out_dir, "rank0.pt"))
     want_g, want_p = oracle(config)
     ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]

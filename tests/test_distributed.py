@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner import CostGraph, PlanOptions, Region, SolveOptions, solve_plan
+from planner import CostGraph, InfeasibleBudgetError, PlanOptions, Region, SolveOptions, solve_plan
 from planner.baselines import every_block
 from planner.candidates import SearchSpace
 from planner.costgraph import NodeCost, StorageCost
@@ -27,12 +27,12 @@ def _node(i: int, module: str, grad_mb: int = 0, last: bool = False) -> NodeCost
                     param_grad_bytes=grad_mb * MB, recomputable=not last, why_not="the loss" if last else "")
 
 
-def two_units() -> CostGraph:
-    """embedding (root) -> 2 nodes in unit a -> 2 in unit b -> loss; node i+1 saves node i's 4 MB;
+def two_units(act_mb: int = 4) -> CostGraph:
+    """embedding (root) -> 2 nodes in unit a -> 2 in unit b -> loss; node i+1 saves node i's act_mb MB;
     each unit node makes 8 MB of parameter gradients; 32 MB of parameters (16 per unit)."""
     mods = ["", "a", "a.up", "b", "b.up"]
     nodes = [_node(i, m, 8 if m else 0) for i, m in enumerate(mods)] + [_node(5, "", last=True)]
-    storages = [StorageCost(4 * MB, i, (i + 1,), (i + 1,)) for i in range(5)]
+    storages = [StorageCost(act_mb * MB, i, (i + 1,), (i + 1,)) for i in range(5)]
     return CostGraph(nodes=tuple(nodes), storages=tuple(storages), fixed_bytes=40 * MB, param_bytes=32 * MB)
 
 
@@ -56,9 +56,11 @@ def test_per_rank_fsdp_by_hand():
     # the latest all-gather's output, kept until the next all-gather (b's through the loss)
     assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 16]
     # backward (b runs first, with a prefetched): parameters, its gradients until the
-    # reduce-scatter at its first node, whose buffers (16 + 8) are there too
-    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 24, 16 + 24 + 8,
-                                                          16 + 16 + 16 + 24, 16 + 16 + 24 + 8, 0]
+    # reduce-scatter at its first node, whose buffers (16 + 8) are there too; while a runs, b's
+    # reduce-scatter input (16), kept until a's reduce-scatter is issued; everywhere, the latest
+    # all-gather's output (16: b's from forward, then a's, prefetched at b's last node)
+    assert [c.bwd_held_bytes // MB - 16 for c in cg.nodes] == [0, 16 + 16 + 24 + 16, 16 + 24 + 8 + 16,
+                                                               16 + 16 + 16 + 24, 16 + 16 + 24 + 8, 0]
     assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 4, 4, 4, 4, 0]    # shards stay
 
 
@@ -73,11 +75,15 @@ def test_held_bytes_are_live_while_a_region_recomputes():
 
 
 def test_regions_never_span_two_units_nor_the_root():
-    cg = per_rank(two_units(), SHARDED)
+    cg = per_rank(two_units(act_mb=40), SHARDED)
     space = SearchSpace(cg)
     assert space.valid(1, 2) and space.valid(3, 4)
     assert not space.valid(2, 3) and not space.valid(0, 1)
-    plan = solve_plan(cg, timeline(cg, ()).peak_bytes - 2 * MB, FAST)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve_plan(cg, 1, FAST)
+    unplanned, floor = timeline(cg, ()).peak_bytes, e.value.min_feasible_bytes
+    assert floor < unplanned
+    plan = solve_plan(cg, floor, FAST)
     assert plan.regions and all(cg.nodes[r.start].unit == cg.nodes[r.end].unit != "" for r in plan.regions)
     assert all(cg.nodes[r.start].unit == cg.nodes[r.end].unit for r in every_block(cg))
 
@@ -176,3 +182,10 @@ def test_parameters_with_freed_storage_profile_as_the_real_ones():
     freed = analyze(m, (x,)).cost_graph
     assert (freed.fixed_bytes, freed.param_bytes) == (real.fixed_bytes, real.param_bytes)
     assert timeline(freed, ()).peak_bytes == timeline(real, ()).peak_bytes
+
+
+@pytest.mark.slow
+def test_an_infeasible_budget_raises_on_every_rank(tmp_path):
+    res = _two_ranks("infeasible", tmp_path)
+    assert [r["raised"] for r in res["ranks"]] == ["InfeasibleBudgetError"] * 2
+    assert res["ranks"][0] == res["ranks"][1] and res["ranks"][0]["unit"] == "MB"
