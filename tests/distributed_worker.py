@@ -4,7 +4,8 @@ trains the plain model on the global batch as the oracle. Run by tests/test_dist
     python tests/distributed_worker.py CONFIG PORT OUT.json
 
 CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
-no optimizer), "ddp" (AdamW), or "infeasible" (FSDP2 and a budget no plan fits). Writes per rank: the plan's budget, prediction and regions, the
+no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
+FSDP2 without remat) or "infeasible" (FSDP2 and a budget no plan fits). Writes per rank: the plan's budget, prediction and regions, the
 measured peak of the third step (allocator events; DDP adds its reducer's buckets, allocated
 before the step), whether units were resharded after forward; and the largest gradient and
 parameter differences from the oracle.
@@ -83,10 +84,12 @@ def shard(m: Tiny, config: str) -> nn.Module:
     if config == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(m)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mixed} if config == "fsdp-bf16" else {}
     for layer in m.layers:
-        fully_shard(layer, reshard_after_forward=config != "fsdp-keep")
-    return fully_shard(m)
+        fully_shard(layer, reshard_after_forward=config != "fsdp-keep", **kw)
+    return fully_shard(m, **kw)
 
 
 def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
@@ -97,6 +100,8 @@ def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
     local = batch().chunk(WORLD)[rank]
     if config == "infeasible":
         return _infeasible(rank, m, local, out_dir)
+    if config == "fsdp-bf16":
+        return _mixed(rank, m, local, out_dir)
     w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn, optimizer=opt)
     resharded = []
 
@@ -141,6 +146,28 @@ def _infeasible(rank: int, m, local, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _mixed(rank: int, m, local, out_dir: str) -> None:
+    """bf16 parameters under FSDP2's MixedPrecisionPolicy: the oracle is FSDP2 without remat (one
+    process in fp32 computes otherwise); three steps, the third measured."""
+    w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn)
+    ref = shard(model(), "fsdp-bf16")
+    peak = 0
+    for k in range(STEPS):
+        for p in list(m.parameters()) + list(ref.parameters()):
+            p.grad = None
+        loss_fn(ref(local)).backward()
+        if k < STEPS - 1:
+            loss_fn(w(local)).backward()
+        else:
+            peak = allocator_peak(lambda: loss_fn(w(local)).backward(), [_local(p) for p in m.parameters()], local)
+    diff = max((_full(p.grad) - _full(q.grad)).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
+    result = {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
+              "regions": len(w.plan.regions), "grad_diff_vs_fsdp": diff}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 def oracle(config: str):
     """One process, the plain model, the global batch: the steps the ranks take."""
     m = model()
@@ -158,7 +185,7 @@ def oracle(config: str):
 def main(config: str, port: int, out: str) -> None:
     out_dir = os.path.dirname(os.path.abspath(out))
     mp.spawn(rank_main, args=(config, port, out_dir), nprocs=WORLD)
-    if config == "infeasible":
+    if config in ("infeasible", "fsdp-bf16"):
         ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
         with open(out, "w") as f:
             json.dump({"ranks": ranks}, f)

@@ -189,3 +189,14 @@ def test_an_infeasible_budget_raises_on_every_rank(tmp_path):
     res = _two_ranks("infeasible", tmp_path)
     assert [r["raised"] for r in res["ranks"]] == ["InfeasibleBudgetError"] * 2
     assert res["ranks"][0] == res["ranks"][1] and res["ranks"][0]["unit"] == "MB"
+
+
+@pytest.mark.slow
+def test_mixed_precision_trains_as_fsdp2_does_and_fits(tmp_path):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduction): the gradients are FSDP2's without
+    remat, bit for bit; planned for bf16 gathered parameters and fp32 shards."""
+    res = _two_ranks("fsdp-bf16", tmp_path)
+    for rank in res["ranks"]:
+        assert rank["grad_diff_vs_fsdp"] == 0.0 and rank["regions"] > 0
+        assert rank["measured"] <= rank["budget"]
+        assert abs(rank["predicted"] - rank["measured"]) <= 0.05 * rank["measured"]
