@@ -248,9 +248,10 @@ def _solve(cg, budget: Budget, options: PlanOptions, opaque) -> Plan:
         raise e.in_unit(budget.unit) from None
 
 
-def plan_step(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss_fn: Callable | None,
+def plan_step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | None,
               options: PlanOptions, optimizer=None, world: int | None = None):
-    """(per-rank Analysis cost graph, plan, plain model, Analysis) for one rank of `model`."""
+    """(the per-rank cost graph, the module profiled, its Analysis) for one rank of `model`: the
+    plain copy (FSDP2) or the inner module (DDP), on this rank's batch."""
     kind = engine(model)
     world = world or _world()
     if kind == "ddp":
@@ -301,7 +302,7 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
     for m in model.modules():                 # a model wrapped before is planned as it is without remat
         if isinstance(m.__dict__.get("forward"), GraphForward):
             del m.__dict__["forward"]
-    cg, plain, a = plan_step(model, budget, args, kwargs, loss_fn, options, optimizer)
+    cg, plain, a = plan_step(model, args, kwargs, loss_fn, options, optimizer)
     plan = Plan.from_json(_agreed(lambda: _solve(cg, budget, options, a.traced.opaque)).to_json())
     plan.meta["units"] = [c.unit for c in cg.nodes]
     flat = compute_nodes(a.traced.gm)
@@ -382,5 +383,5 @@ def per_rank_analysis(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return replace(a, cost_graph=per_rank(a.cost_graph, Sharding("ddp", world_size, bucket_bytes=buckets)))
     model = shard_per_block(model, world_size)
-    cg, _, a = plan_step(model, None, args, kwargs, loss_fn, options, optimizer_of(model), world_size)
+    cg, _, a = plan_step(model, args, kwargs, loss_fn, options, optimizer_of(model), world_size)
     return replace(a, cost_graph=cg)
