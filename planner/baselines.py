@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .costgraph import CostGraph
+from .costgraph import CostGraph, same_unit
 from .result import Region
 
 
@@ -46,7 +46,8 @@ def blocks(cg: CostGraph) -> list[tuple[int, int]]:
 
 
 def _recomputable(cg: CostGraph, spans) -> tuple[Region, ...]:
-    return tuple(Region(a, b) for a, b in spans if all(c.recomputable for c in cg.nodes[a:b + 1]))
+    return tuple(Region(a, b) for a, b in spans
+                 if all(c.recomputable for c in cg.nodes[a:b + 1]) and same_unit(cg, a, b))
 
 
 def no_checkpointing(cg: CostGraph) -> tuple[Region, ...]:

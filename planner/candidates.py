@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .baselines import blocks, sac_keepable
-from .costgraph import CostGraph
+from .costgraph import CostGraph, same_unit
 from .options import SolveOptions
 from .result import Region
 from .simulate import base_liveness, region_recompute
@@ -69,7 +69,7 @@ def trivial_nodes(cg: CostGraph) -> list[bool]:
 class SearchSpace:
     """The regions of one graph: which are valid, and what each does (its Candidate, cached).
 
-    A region a..b is valid when every node in it is recomputable and no node in it reads a
+    A region a..b is valid when every node in it is recomputable, in one unit (`same_unit`), and no node in it reads a
     storage made before a that some node >= a writes (recomputing it would read the written
     value). `sac`: whether regions that keep their FLOP-heavy nodes' outputs are offered."""
 
@@ -102,7 +102,7 @@ class SearchSpace:
         return any(s.producer < a and max(s.mutated_by) >= a for s in self._mutated_reads.get(j, ()))
 
     def valid(self, a: int, b: int) -> bool:
-        if a > b or not all(self.ok[a:b + 1]):
+        if a > b or not all(self.ok[a:b + 1]) or not same_unit(self.cg, a, b):
             return False
         if a not in self._bad_from:
             n = len(self.cg.nodes)

@@ -29,6 +29,12 @@ class NodeCost:
     ops: int = 0              # aten ops it dispatches
     random: bool = False      # draws random numbers (dropout, attention with dropout): never SAC-kept
     opaque: bool = False      # an opaque module (stood in for): never SAC-kept (SAC would cache every op inside)
+    # bytes a data-parallel engine holds while this node runs, on top of the step's own (unsharded
+    # parameters of the units in flight, gradients not yet reduce-scattered: planner/distributed.py)
+    fwd_held_bytes: int = 0
+    bwd_held_bytes: int = 0
+    unit: str = ""            # the data-parallel unit that runs it (an FSDP2 `fully_shard` module,
+                              # planner/distributed.py): a region never spans two units
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,13 @@ class CostGraph:
             sac_op_s=d.get("sac_op_s", 0.0),
             optimizer_step_bytes=d.get("optimizer_step_bytes"),
         )
+
+
+def same_unit(cg: CostGraph, a: int, b: int) -> bool:
+    """Nodes a..b all run in one data-parallel unit (`NodeCost.unit`; "" everywhere when the step
+    is not sharded): only such a range may be a region."""
+    unit = cg.nodes[a].unit
+    return all(c.unit == unit for c in cg.nodes[a + 1:b + 1])
 
 
 def with_optimizer(cg: CostGraph, state_bytes: int, step_bytes: int, name: str = "") -> CostGraph:

@@ -232,8 +232,24 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
     raise InfeasibleBudgetError(budget_bytes, min([pb.predict(floor)] + list(peaks.values())), SIMULATED)
 
 
+def _not_recomputable(cg: CostGraph, listed: int = 3) -> list[str]:
+    """One note per node that may not be recomputed; a reason shared by more than `listed` nodes
+    (the root's own nodes under FSDP2) is one note, naming the first few."""
+    by_why: dict[str, list[str]] = {}
+    for c in cg.nodes[:-1]:
+        if not c.recomputable:
+            by_why.setdefault(c.why_not, []).append(c.name)
+    notes = []
+    for why, names in by_why.items():
+        if len(names) <= listed:
+            notes += [f"{n}: not recomputable ({why})" for n in names]
+        else:
+            notes.append(f"{len(names)} nodes not recomputable ({why}): {', '.join(names[:listed])}, ...")
+    return notes
+
+
 def _finish(cg: CostGraph, p: Plan) -> Plan:
-    notes = [f"{c.name}: not recomputable ({c.why_not})" for c in cg.nodes[:-1] if not c.recomputable]
+    notes = _not_recomputable(cg)
     if cg.meta.get("loss") == "stand-in":
         notes.append("no loss_fn given: room is reserved for a loss that keeps one tensor of the output's size")
     if cg.optimizer_step_bytes is not None:

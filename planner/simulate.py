@@ -11,8 +11,8 @@ backward when
   (iv)  the caller holds s (`StorageCost.output`): part of the model's output when the plan
         keeps the output (PlanOptions.keep_output), or a storage that outlives the step.
 Forward: s is live from p_s until its last reader, or to the end of forward when kept. The peak
-during node t is live_start(t) + fwd_extra_t (measured on fake tensors).
-Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_extra_t, where
+during node t is live_start(t) + fwd_extra_t (measured on fake tensors) + fwd_held_t.
+Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_extra_t + H_t, where
   G_param(t) = parameter grads made by nodes >= t (they stay),
   G_act(t)   = grads of outputs of nodes u with u <= t <= last reader of u (in flight),
   K(t)       = kept storages not yet released; a storage is released after the backward of the
@@ -21,6 +21,10 @@ Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_ext
   W(t)       = the recompute working set of t's region: storages made in R by non-saved nodes
                and held by nodes of R, from the region's first unpack (top(R), the last holder)
                until the backward of their lowest holder in R.
+  H_t        = what a data-parallel engine holds at t (`bwd_held_bytes`: FSDP2's unsharded
+               parameters of the units in flight, gradients before their reduce-scatter;
+               planner/distributed.py); forward adds `fwd_held_bytes` the same way. Unlike
+               bwd_extra_t, H_t is live while t's region recomputes (it is in the `outside` below).
 After backward, when the step planned has one, the optimizer steps: live are F (its state among
 them), every parameter grad, the kept outputs and the step's measured temporaries.
 At top(R), the recomputation itself runs: its peak is the recomputed storages made so far, plus
@@ -100,8 +104,10 @@ def base_liveness(cg: CostGraph) -> Base:
     if cg.optimizer_step_bytes is not None:
         opt = (cg.fixed_bytes + sum(c.param_grad_bytes for c in cg.nodes) + cg.optimizer_step_bytes
                + sum(s.bytes for s in cg.storages if s.output))
-    return Base(tuple(cg.fixed_bytes + live[t] + outputs[t] + cg.nodes[t].fwd_extra_bytes for t in range(n)),
-                tuple(cg.fixed_bytes + bwd_live[t] + cg.nodes[t].bwd_extra_bytes for t in range(n)),
+    nodes = cg.nodes
+    return Base(tuple(cg.fixed_bytes + live[t] + outputs[t] + nodes[t].fwd_extra_bytes + nodes[t].fwd_held_bytes
+                      for t in range(n)),
+                tuple(cg.fixed_bytes + bwd_live[t] + nodes[t].bwd_extra_bytes + nodes[t].bwd_held_bytes for t in range(n)),
                 tuple(live[i + 1] for i in range(n)), opt)
 
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .kernels import device_kernels
 from .rng import rng_preserved
 from .state import named_tensors
+from .storage import fake_copy
 
 
 def tensors(tree) -> list[torch.Tensor]:
@@ -85,7 +86,7 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False):
     the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
     with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake, device_kernels():
-        state = {k: fake.from_tensor(v) for k, v in real.items()}
+        state = {k: fake_copy(fake, v) for k, v in real.items()}
         fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         existing = []
         if grads:

@@ -82,6 +82,16 @@ def fake_twin(t: torch.Tensor) -> torch.Tensor | None:
     return mode.from_tensor(t) if mode is not None else None
 
 
+def fake_copy(mode, t: torch.Tensor) -> torch.Tensor:
+    """`mode.from_tensor(t)`, except that a tensor whose storage was freed (resized to 0: FSDP2's
+    gathered parameters between uses, the planning copy of runtime/distributed.py) becomes a fake
+    tensor with a storage of its full size, as it is when it computes."""
+    if t.untyped_storage().nbytes() or not t.numel() or t.device.type == "meta":
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+
+
 def unlinked(t: torch.Tensor) -> torch.Tensor:
     """What a saved-tensor pack hook returns: `t` detached (same storage, same version counter),
     seen by no dispatch mode. Returning `t` itself would make every saved *output* a reference

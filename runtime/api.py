@@ -23,6 +23,7 @@ from planner.rng import rng_preserved
 from planner.state import mode_key, state_preserved, training_modes
 from planner.trace import MEASURED_WHY, capture
 
+from . import distributed
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
 from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
@@ -331,6 +332,9 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     >>> w.plan.regions, w.state_dict().keys() == m.state_dict().keys()
     ((), True)
     """
+    if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed.py)
+        return distributed.wrap_model(model, as_budget(budget), example_inputs, example_kwargs, loss_fn, options,
+                                      compile, optimizer)
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
     wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs, optimizer)
     if example_inputs is not None or example_kwargs is not None:

@@ -27,12 +27,13 @@ from typing import Callable
 # as long as the `runtime` package's own __init__ does not import torch first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions
+from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
 from planner.errors import BudgetError
 from planner.result import Plan
 from planner.simulate import timeline
 
 from . import plots
+from ..distributed import per_rank_analysis
 from planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
 
 from .report import report_text, segments, table
@@ -99,7 +100,21 @@ def _profile(a, say) -> tuple[Loaded, Analysis]:
     if a.optimizer and (getattr(a, "measure", False) or getattr(a, "compile", False)):
         raise UsageError("--measure and --compile run real forward and backward steps only: drop --optimizer "
                          "to run them")
+    if a.fsdp or a.ddp:
+        return loaded, _per_rank(a, loaded, say)
     return loaded, profile_model(loaded, say, _options(a), make_optimizer(a.optimizer, loaded.model))
+
+
+def _per_rank(a, loaded: Loaded, say) -> Analysis:
+    """--fsdp / --ddp: one rank's step, planned from this process (runtime/distributed.py)."""
+    if a.command == "sweep" or getattr(a, "measure", False) or getattr(a, "compile", False):
+        raise UsageError("--fsdp and --ddp plan one rank from one process (report, check): sweep, --measure and "
+                         "--compile need the job itself")
+    kind = "fsdp" if a.fsdp else "ddp"
+    say(f"profiling one rank of {a.world_size} ({kind}) of {loaded.label} on fake tensors ...")
+    with model_code(f"cannot profile {loaded.label} under {kind}"):
+        return per_rank_analysis(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, _options(a),
+                                 lambda m: make_optimizer(a.optimizer, m), kind, a.world_size)
 
 
 def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
@@ -124,6 +139,9 @@ def _solve(a, say):
         with model_code(f"cannot plan {loaded.label}"):
             if a.compile:
                 say("compile mode: every plan tried is compiled and run for real (a compile each) ...")
+            if a.fsdp or a.ddp:         # the simulator's per-rank prediction (a replay would run one process)
+                return loaded, analysis, solve_plan(analysis.cost_graph, budget_bytes, _options(a),
+                                                    analysis.traced.opaque)
             return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a), a.compile)
     except InfeasibleBudgetError as e:
         _does_not_fit(a, e, loaded.label)
@@ -323,6 +341,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_positive(int), default=1, help="with --hf-config: batch size (default 1)")
     p.add_argument("--seq", type=_positive(int), default=2048, help="with --hf-config: sequence length (default 2048)")
     p.add_argument("--dtype", default="bf16", help="with --hf-config: fp32, bf16 or fp16 (default bf16)")
+    p.add_argument("--world-size", type=_positive(int), default=1, metavar="N",
+                   help="with --fsdp or --ddp: plan one rank of an N-rank job (the budget is per rank)")
+    engine = p.add_mutually_exclusive_group()
+    engine.add_argument("--fsdp", action="store_true", help="FSDP2: the model's blocks, then its root, sharded "
+                        "with fully_shard over --world-size ranks (a fake process group; MODEL's inputs are one "
+                        "rank's batch)")
+    engine.add_argument("--ddp", action="store_true", help="DDP over --world-size ranks (its gradient buckets "
+                        "in the budget)")
 
 
 def _costs(p: argparse.ArgumentParser) -> None:

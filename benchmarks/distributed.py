@@ -1,0 +1,214 @@
+"""FSDP2 on 2 gloo ranks (CPU): remat against torchtitan's checkpointing at equal per-rank memory.
+
+    python benchmarks/distributed.py [--layers 6] [--dim 256] [--seq 256] [--batch 8] [--steps 6]
+                                     [--out benchmarks/results/DATE-distributed.md]
+
+A GPT-style model (attention by scaled_dot_product_attention, 4x MLP), each block sharded with
+fully_shard, then the root (torchtitan's `apply_fsdp` order); AdamW steps. Strategies:
+- none: no checkpointing;
+- per-block: every block under checkpoint_wrapper before sharding (torchtitan's `full` AC);
+- sac: every block under a selective checkpoint that saves its matmul outputs (torchtitan's
+  op-level SAC keeps matmuls; here all of them);
+- remat: plan_and_wrap with the per-rank budget set to per-block's measured peak (equal memory),
+  and again at sac's measured peak.
+Per rank: the measured peak of one step (allocator events, runtime.measure.allocator_peak, with
+the sharded parameters and the optimizer's state), and the median step time over `--steps`
+rounds in which every strategy takes one step in turn; the slower rank's numbers are reported. CPU times on a shared
+machine are noisy: ratios in one run, not absolute speeds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORLD = 2
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(a)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int, layers: int, vocab: int = 512):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(out):
+    return out.float().logsumexp(-1).mean()
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def build(cfg: dict, strategy: str) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    import functools
+    torch.manual_seed(0)
+    m = GPT(cfg["dim"], cfg["layers"])
+    for i, block in enumerate(m.layers):
+        if strategy == "per-block":
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif strategy == "sac":
+            block = checkpoint_wrapper(block, preserve_rng_state=False,
+                                       context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy))
+        m.layers[i] = block
+        fully_shard(block)
+    return fully_shard(m)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _step_fn(model_call, opt, idx):
+    def step():
+        loss_fn(model_call(idx)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def peak_of(model: nn.Module, opt, step) -> int:
+    """Peak bytes of one step after two warm-up steps (the optimizer's state exists by then)."""
+    from runtime.measure.peak import allocator_peak
+    for _ in range(2):
+        step()
+    state = [_local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return allocator_peak(step, [_local(p) for p in model.parameters()] + state)
+
+
+def _timed(step) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def rank_main(rank: int, cfg: dict, port: int, out_dir: str) -> None:
+    """Each strategy's peak, then step times taken round-robin over the strategies (`steps`
+    rounds), so that drift on a shared machine hits them alike."""
+    from runtime import plan_and_wrap
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    idx = torch.randint(0, 512, (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    local = idx.chunk(WORLD)[rank]
+    steps, rows = {}, {}
+    for strategy in ("none", "per-block", "sac"):
+        m = build(cfg, strategy)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        steps[strategy] = _step_fn(m, opt, local)
+        rows[strategy] = [peak_of(m, opt, steps[strategy]), None, None, None]
+    for ref in ("per-block", "sac"):
+        m = build(cfg, "none")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        t0 = time.perf_counter()
+        w = plan_and_wrap(m, rows[ref][0] / 1e9, example_inputs=(local,), loss_fn=loss_fn, optimizer=opt)
+        plan_s = time.perf_counter() - t0
+        name = f"remat @ {ref}"
+        steps[name] = _step_fn(w, opt, local)
+        rows[name] = [peak_of(m, opt, steps[name]), w.plan.predicted_peak_bytes, len(w.plan.regions), plan_s]
+    times = {k: [] for k in steps}
+    for _ in range(cfg["steps"]):
+        for k, step in steps.items():
+            times[k].append(_timed(step))
+    out = {k: (rows[k][0], statistics.median(times[k]), *rows[k][1:]) for k in steps}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def table(ranks: list[dict], cfg: dict, argv: list[str]) -> str:
+    worst = {k: (max(r[k][0] for r in ranks), max(r[k][1] for r in ranks)) + tuple(ranks[0][k][2:]) for k in ranks[0]}
+    none_s = worst["none"][1]
+    lines = [f"# FSDP2 on {WORLD} gloo ranks: remat vs torchtitan's checkpointing ({datetime.date.today()})", "",
+             f"`python benchmarks/distributed.py {' '.join(argv)}` on {platform.machine()}, {os.cpu_count()} cores "
+             f"(shared), torch {torch.__version__}, 1 thread per rank. GPT: {cfg['layers']} blocks, d={cfg['dim']}, "
+             f"global batch {cfg['batch']} x {cfg['seq']} tokens ({cfg['batch'] // WORLD} sequences per rank), AdamW; "
+             "fully_shard per block, then the root. Per rank (the slower rank): measured peak of one step "
+             "(allocator events), median step time over "
+             f"{cfg['steps']} rounds of one step per strategy in turn.", "",
+             "| strategy | per-rank peak | step time | vs no checkpointing | remat predicted | regions | plan s |",
+             "|---|---|---|---|---|---|---|"]
+    for k, (peak, step_s, pred, regions, plan_s) in worst.items():
+        extra = (f"{pred / 1e6:.2f} MB" if pred else "", str(regions) if regions is not None else "",
+                 f"{plan_s:.1f}" if plan_s else "")
+        lines.append(f"| {k} | {peak / 1e6:.2f} MB | {step_s * 1e3:.0f} ms | {step_s / none_s:.2f}x | " + " | ".join(extra) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    a = ap.parse_args(argv)
+    cfg = {k: getattr(a, k) for k in ("layers", "dim", "seq", "batch", "steps")}
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(rank_main, args=(cfg, _port(), d), nprocs=WORLD)
+        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(WORLD)]
+    text = table(ranks, cfg, argv)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

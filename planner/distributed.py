@@ -1,0 +1,193 @@
+"""The per-rank step of data-parallel training (FSDP2, DDP) as a CostGraph: plain math, no torch.
+
+The profile measures one process running the unsharded model on the local batch. `per_rank`
+turns that into what one rank holds, so the budget is bytes per rank and the simulator, the ILP
+and the local search plan it unchanged (they all start from simulate.base_liveness).
+
+NOTE [ per-rank memory ]
+FSDP2 (`fully_shard` per unit, then the root). Unit U (a fully_shard module) runs the nodes
+lo_U..hi_U of the graph; P_U are its parameters unsharded (in the dtype forward computes in),
+S_U this rank's shard of them as stored, g_U its gradients unsharded, s_U this rank's shard of
+them. Per rank:
+  F'         = F - sum_U P_U + sum_U S_U + P_root: sharded parameters live throughout; the root
+               unit's are all-gathered once and held for the step (FSDP2 does not reshard the
+               root after forward); its all-gather's buffers (P_root + S_root) at node 0's
+               forward, its reduce-scatter's (g_root + s_root) at node 0's backward, the last,
+  held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
+               buffers (P_U + S_U, freed once copied out), plus P_V of every unit V whose forward
+               ran before t and that is not resharded after forward, plus the flat output of the
+               latest all-gather (FSDP2 keeps it until it issues the next one),
+  held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
+               unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
+               the reduce-scatter's buffers (g_U + s_U), the input of the previous unit's
+               reduce-scatter (kept by FSDP2 until it issues the next), plus P_V of the units not
+               resharded after forward whose backward has not run yet, plus the latest
+               all-gather's flat output (as in forward),
+  param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
+The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
+Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
+covers it (NOTE [ liveness ]: H_t is live while t's region recomputes).
+DDP: every rank holds the whole model; its gradient buckets (the reducer's flat copies of the
+gradients, allocated at construction) are live throughout: F' = F + buckets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .costgraph import CostGraph, NodeCost
+
+ROOT_WHY = "runs in the FSDP root's own forward (remat rewrites the forward of each fully_shard unit below the root)"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One fully_shard module as one rank sees it."""
+    name: str                         # qualified module name; "" is the root
+    unsharded_bytes: int              # P_U: its parameters all-gathered, in the dtype forward computes in
+    shard_bytes: int                  # S_U: this rank's shard of them, as stored
+    grad_bytes: int                   # g_U: their gradients unsharded (the compute dtype)
+    grad_shard_bytes: int             # s_U: this rank's shard of the reduced gradients
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the step is split over ranks: `engine` "fsdp" (units) or "ddp" (buckets)."""
+    engine: str
+    world_size: int
+    units: tuple[Unit, ...] = ()      # FSDP2: the root ("") and every unit below it
+    bucket_bytes: int = 0             # DDP: the reducer's gradient buckets
+    backward_prefetch: int = 1        # FSDP2 all-gathers this many units ahead in backward
+
+
+def unit_of(module: str, names: tuple[str, ...]) -> str:
+    """The innermost of `names` (qualified module names, "" the root) that contains `module`."""
+    best = ""
+    for u in names:
+        if u and (module == u or module.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
+    """`cg` (one process, the unsharded model, the local batch) as one rank of `sharding` holds it
+    (NOTE [ per-rank memory ])."""
+    if sharding.engine == "ddp":
+        return replace(cg, fixed_bytes=cg.fixed_bytes + sharding.bucket_bytes,
+                       meta={**cg.meta, "distributed": _meta(sharding)})
+    if sharding.engine != "fsdp":
+        raise ValueError(f"unknown data-parallel engine {sharding.engine!r}: 'fsdp' or 'ddp'")
+    units = {u.name: u for u in sharding.units}
+    names = tuple(units)
+    where = [unit_of(c.module, names) for c in cg.nodes[:-1]] + [""]    # the loss runs in the root
+    spans = _spans(where)
+    fwd, bwd = _held(len(cg.nodes), spans, units, sharding.backward_prefetch)
+    _add_grads(cg, where, spans, units, bwd)
+    nodes = tuple(_node(c, u, f, b, units[u] if u else None) for c, u, f, b in zip(cg.nodes, where, fwd, bwd))
+    full = sum(u.unsharded_bytes for u in sharding.units)
+    shards = sum(u.shard_bytes for u in sharding.units)
+    root = units.get("")
+    fixed = cg.fixed_bytes - full + shards + (root.unsharded_bytes if root else 0)
+    out = replace(cg, nodes=nodes, fixed_bytes=fixed, meta={**cg.meta, "distributed": _meta(sharding)})
+    state = cg.meta.get("optimizer_state_bytes")
+    if state is not None and full:           # measured on unsharded parameters: a rank steps its shard
+        ratio = shards / full
+        step = round((cg.optimizer_step_bytes or 0) * ratio)
+        out = replace(out, fixed_bytes=out.fixed_bytes - state + round(state * ratio), optimizer_step_bytes=step,
+                      meta={**out.meta, "optimizer_state_bytes": round(state * ratio), "optimizer_step_bytes": step})
+    return out
+
+
+def _meta(s: Sharding) -> dict:
+    return {"engine": s.engine, "world_size": s.world_size, "units": [u.name for u in s.units],
+            "bucket_bytes": s.bucket_bytes}
+
+
+def _spans(where: list[str]) -> dict[str, tuple[int, int]]:
+    """Per unit below the root: (first node, last node). A unit must run once, as one range."""
+    spans: dict[str, tuple[int, int]] = {}
+    for i, u in enumerate(where):
+        if u:
+            lo, hi = spans.get(u, (i, i))
+            if hi < i - 1 and any(w != u for w in where[hi + 1:i]):
+                raise ValueError(f"unit {u!r} runs twice in one forward (nodes {lo}..{hi} and {i}): remat plans "
+                                 "a unit that runs once per step")
+            spans[u] = (lo, i)
+    return spans
+
+
+def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], list[int]]:
+    """Unsharded parameters (and the all-gather's buffers) held at each node, forward and backward."""
+    fwd, bwd = [0] * n, [0] * n
+    root = units.get("")
+    if root is not None:            # gathered before the first node, reduce-scattered after the last backward
+        fwd[0] += root.unsharded_bytes + root.shard_bytes
+        bwd[0] += root.grad_bytes + root.grad_shard_bytes
+    order = sorted(spans, key=lambda u: spans[u][0])
+    for k, name in enumerate(order):
+        u, (lo, hi) = units[name], spans[name]
+        for t in range(lo, hi + 1):
+            fwd[t] += u.unsharded_bytes
+            bwd[t] += u.unsharded_bytes
+        fwd[lo] += u.unsharded_bytes + u.shard_bytes           # all-gather output and input, until copied out
+        bwd[hi] += u.unsharded_bytes + u.shard_bytes
+        for nxt in order[max(0, k - prefetch):k]:              # gathered ahead while U runs backward
+            for t in range(lo, hi + 1):
+                bwd[t] += units[nxt].unsharded_bytes
+        if not u.reshard_after_forward:                        # held from its forward to its backward
+            for t in range(hi + 1, n):
+                fwd[t] += u.unsharded_bytes
+            for t in range(hi + 1, n):
+                bwd[t] += u.unsharded_bytes
+    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root, prefetch)
+    return fwd, bwd
+
+
+def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None,
+              prefetch: int) -> None:
+    """FSDP2 keeps the flat output of its latest all-gather until it issues the next one (a
+    stream may still copy out of it). Forward: the unit gathered last (the root's before the
+    first unit). Backward: the last one issued, U's and its prefetch's at hi_U (forward's last
+    before that); whether it is freed before a node's peak depends on the collective's thread
+    (measured on gloo: one unit's P_U either way), so it is counted."""
+    n = len(fwd)
+    issued = [(0, root.unsharded_bytes if root else 0)] + [(lo, size) for (lo, _), size in spans]
+    for (start, size), nxt in zip(issued, issued[1:] + [(n, 0)]):
+        for t in range(start, nxt[0]):
+            fwd[t] += size
+    held = [spans[-1][1] if spans else 0] * n
+    for k in range(len(spans) - 1, -1, -1):
+        (lo, hi), _ = spans[k]
+        size = spans[max(0, k - prefetch)][1]
+        for t in range(0, hi + 1):
+            held[t] = size
+    for t in range(n):
+        bwd[t] += held[t]
+
+
+def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int]) -> None:
+    """Unsharded gradients of a unit, from their node's backward to the unit's reduce-scatter;
+    the reduce-scatter's input, which FSDP2 keeps until it issues the next one (the next unit's
+    in backward order), through that unit's backward."""
+    order = sorted(spans, key=lambda u: spans[u][0])
+    for before, after in zip(order, order[1:]):        # `after`'s backward runs first
+        lo, hi = spans[before]
+        for t in range(lo, hi + 1):
+            bwd[t] += units[after].grad_bytes
+    for name, (lo, hi) in spans.items():
+        u = units[name]
+        for i in range(lo, hi + 1):
+            g = cg.nodes[i].param_grad_bytes
+            for t in range(lo, i + 1):
+                bwd[t] += g
+        bwd[lo] += u.grad_bytes + u.grad_shard_bytes            # reduce-scatter input and output
+
+
+def _node(c: NodeCost, unit: str, fwd: int, bwd: int, u: Unit | None) -> NodeCost:
+    """Node c as a rank runs it in `unit` (u; None: the root, whose gradients are reduced at the
+    end of backward, so they stay whole until then)."""
+    scale = (u.grad_shard_bytes / u.grad_bytes) if u is not None and u.grad_bytes else 1.0
+    why = c.why_not or ("" if unit else ROOT_WHY)
+    return replace(c, unit=unit, fwd_held_bytes=c.fwd_held_bytes + fwd, bwd_held_bytes=c.bwd_held_bytes + bwd,
+                   param_grad_bytes=round(c.param_grad_bytes * scale), recomputable=c.recomputable and not why,
+                   why_not=why)

@@ -1,0 +1,204 @@
+"""Two gloo ranks on CPU train a small model wrapped by remat under FSDP2 or DDP; one process
+trains the plain model on the global batch as the oracle. Run by tests/test_distributed.py:
+
+    python tests/distributed_worker.py CONFIG PORT OUT.json
+
+CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
+no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
+FSDP2 without remat) or "infeasible" (FSDP2 and a budget no plan fits). Writes per rank: the plan's budget, prediction and regions, the
+measured peak of the third step (allocator events; DDP adds its reducer's buckets, allocated
+before the step), whether units were resharded after forward; and the largest gradient and
+parameter differences from the oracle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime import plan_and_wrap                         # noqa: E402
+from runtime.measure.peak import allocator_peak           # noqa: E402
+
+WORLD, BATCH, SEQ = 2, 8, 256
+STEPS = 3                # two warm-up steps, the third measured
+BUDGET = "80%"
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Tiny(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 4, vocab: int = 96):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def loss_fn(out):
+    return out.float().pow(2).mean()
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def model() -> Tiny:
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def factory():
+    """For the CLI (`tests/distributed_worker.py:factory`): the model and one rank's batch."""
+    return model(), (batch().chunk(WORLD)[0],), loss_fn
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard(m: Tiny, config: str) -> nn.Module:
+    if config == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(m)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mixed} if config == "fsdp-bf16" else {}
+    for layer in m.layers:
+        fully_shard(layer, reshard_after_forward=config != "fsdp-keep", **kw)
+    return fully_shard(m, **kw)
+
+
+def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    m = shard(model(), config)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
+    local = batch().chunk(WORLD)[rank]
+    if config == "infeasible":
+        return _infeasible(rank, m, local, out_dir)
+    if config == "fsdp-bf16":
+        return _mixed(rank, m, local, out_dir)
+    w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn, optimizer=opt)
+    resharded = []
+
+    def step():
+        out = w(local)
+        inner = m.module if config == "ddp" else m
+        resharded.append(all(hasattr(p, "to_local") for layer in inner.layers for p in layer.parameters()))
+        loss_fn(out).backward()
+        if opt is not None:
+            opt.step()
+
+    for _ in range(2):       # the optimizer's state exists, DDP has rebuilt its buckets (2nd step)
+        step()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+    state = [_local(v) for s in (opt.state.values() if opt else ()) for v in s.values() if torch.is_tensor(v)]
+    peak = allocator_peak(step, [_local(p) for p in m.parameters()] + state, local)
+    if config == "ddp":
+        peak += sum(b.buffer().nbytes for b in m.reducer._get_zeros_like_grad_buckets())
+    grads = {n.removeprefix("module."): _full(p.grad) for n, p in m.named_parameters()}
+    params = {n.removeprefix("module."): _full(p.detach()) for n, p in m.named_parameters()}
+    if rank == 0:
+        torch.save((grads, params), os.path.join(out_dir, "rank0.pt"))
+    result = {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
+              "regions": len(w.plan.regions), "unplanned": w.plan.unplanned_peak_bytes,
+              "resharded_after_forward": all(resharded[1:])}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _infeasible(rank: int, m, local, out_dir: str) -> None:
+    """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
+    from planner.errors import InfeasibleBudgetError
+    try:
+        plan_and_wrap(m, "1MB", example_inputs=(local,), loss_fn=loss_fn)
+        result = {"raised": None}
+    except InfeasibleBudgetError as e:
+        result = {"raised": type(e).__name__, "min_feasible": e.min_feasible_bytes, "unit": e.unit}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _mixed(rank: int, m, local, out_dir: str) -> None:
+    """bf16 parameters under FSDP2's MixedPrecisionPolicy: the oracle is FSDP2 without remat (one
+    process in fp32 computes otherwise); three steps, the third measured."""
+    w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn)
+    ref = shard(model(), "fsdp-bf16")
+    peak = 0
+    for k in range(STEPS):
+        for p in list(m.parameters()) + list(ref.parameters()):
+            p.grad = None
+        loss_fn(ref(local)).backward()
+        if k < STEPS - 1:
+            loss_fn(w(local)).backward()
+        else:
+            peak = allocator_peak(lambda: loss_fn(w(local)).backward(), [_local(p) for p in m.parameters()], local)
+    diff = max((_full(p.grad) - _full(q.grad)).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
+    result = {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
+              "regions": len(w.plan.regions), "grad_diff_vs_fsdp": diff}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def oracle(config: str):
+    """One process, the plain model, the global batch: the steps the ranks take."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
+    for k in range(STEPS):
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        for part in batch().chunk(WORLD):                 # the mean over ranks of the local losses
+            (loss_fn(m(part)) / WORLD).backward()
+        if opt is not None:
+            opt.step()
+    return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
+
+
+def main(config: str, port: int, out: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(out))
+    mp.spawn(rank_main, args=(config, port, out_dir), nprocs=WORLD)
+    if config in ("infeasible", "fsdp-bf16"):
+        ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
+        with open(out, "w") as f:
+            json.dump({"ranks": ranks}, f)
+        return
+    grads, params = torch.load(os.path.join(out_dir, "rank0.pt"))
+    want_g, want_p = oracle(config)
+    ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
+    diff = {"grad": max((grads[n] - g).abs().max().item() for n, g in want_g.items()),
+            "param": max((params[n] - p).abs().max().item() for n, p in want_p.items()),
+            "grad_scale": max(g.abs().max().item() for g in want_g.values())}
+    with open(out, "w") as f:
+        json.dump({"ranks": ranks, "diff": diff}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,202 @@
+"""Data-parallel steps planned per rank: the memory model on hand-built CostGraphs (no torch), a
+64-rank FSDP2 plan from one process (a fake process group), and 2 gloo ranks on CPU training
+under FSDP2 and DDP against one process training the plain model on the global batch."""
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import CostGraph, InfeasibleBudgetError, PlanOptions, Region, SolveOptions, solve_plan
+from planner.baselines import every_block
+from planner.candidates import SearchSpace
+from planner.costgraph import NodeCost, StorageCost
+from planner.distributed import ROOT_WHY, Sharding, Unit, per_rank, unit_of
+from planner.simulate import base_liveness, timeline
+
+MB = 10**6
+ROOT = Path(__file__).resolve().parents[1]
+FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
+
+
+def _node(i: int, module: str, grad_mb: int = 0, last: bool = False) -> NodeCost:
+    return NodeCost(name="loss" if last else f"n{i}", target="loss" if last else "f", module=module, flops=10,
+                    cost_s=1e-6, fwd_extra_bytes=0, bwd_extra_bytes=0, grad_bytes=0, grad_last_user=i,
+                    param_grad_bytes=grad_mb * MB, recomputable=not last, why_not="the loss" if last else "")
+
+
+def two_units(act_mb: int = 4) -> CostGraph:
+    """embedding (root) -> 2 nodes in unit a -> 2 in unit b -> loss; node i+1 saves node i's act_mb MB;
+    each unit node makes 8 MB of parameter gradients; 32 MB of parameters (16 per unit)."""
+    mods = ["", "a", "a.up", "b", "b.up"]
+    nodes = [_node(i, m, 8 if m else 0) for i, m in enumerate(mods)] + [_node(5, "", last=True)]
+    storages = [StorageCost(act_mb * MB, i, (i + 1,), (i + 1,)) for i in range(5)]
+    return CostGraph(nodes=tuple(nodes), storages=tuple(storages), fixed_bytes=40 * MB, param_bytes=32 * MB)
+
+
+SHARDED = Sharding("fsdp", 2, (Unit("", 0, 0, 0, 0, False), Unit("a", 16 * MB, 8 * MB, 16 * MB, 8 * MB),
+                               Unit("b", 16 * MB, 8 * MB, 16 * MB, 8 * MB)))
+
+
+def test_unit_of_is_the_innermost_unit():
+    assert unit_of("layers.1.attn", ("", "layers.1", "layers.10")) == "layers.1"
+    assert unit_of("layers.10", ("", "layers.1", "layers.10")) == "layers.10"
+    assert unit_of("head", ("", "layers.1")) == ""
+
+
+def test_per_rank_fsdp_by_hand():
+    """NOTE [ per-rank memory ] on two units of 16 MB over 2 ranks, worked by hand."""
+    cg = per_rank(two_units(), SHARDED)
+    assert cg.fixed_bytes == (40 - 32 + 16) * MB                  # parameters as shards
+    assert [c.unit for c in cg.nodes] == ["", "a", "a", "b", "b", ""]
+    assert not cg.nodes[0].recomputable and cg.nodes[0].why_not == ROOT_WHY
+    # forward: a unit's parameters while it runs, at its first node the all-gather's buffers, and
+    # the latest all-gather's output, kept until the next all-gather (b's through the loss)
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 16]
+    # backward (b runs first, with a prefetched): parameters, its gradients until the
+    # reduce-scatter at its first node, whose buffers (16 + 8) are there too; while a runs, b's
+    # reduce-scatter input (16), kept until a's reduce-scatter is issued; everywhere, the latest
+    # all-gather's output (16: b's from forward, then a's, prefetched at b's last node)
+    assert [c.bwd_held_bytes // MB - 16 for c in cg.nodes] == [0, 16 + 16 + 24 + 16, 16 + 24 + 8 + 16,
+                                                               16 + 16 + 16 + 24, 16 + 16 + 24 + 8, 0]
+    assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 4, 4, 4, 4, 0]    # shards stay
+
+
+def test_held_bytes_are_live_while_a_region_recomputes():
+    """H_t counts in the recompute's peak too (bwd_extra does not): the unit's gathered
+    parameters are there while its region runs again."""
+    cg = per_rank(two_units(), SHARDED)
+    r = Region(3, 4)
+    tl = timeline(cg, (r,))
+    base = base_liveness(cg)
+    assert tl.bwd[4] >= base.bwd[4] and tl.bwd[4] >= cg.fixed_bytes + cg.nodes[4].bwd_held_bytes + 4 * MB
+
+
+def test_regions_never_span_two_units_nor_the_root():
+    cg = per_rank(two_units(act_mb=40), SHARDED)
+    space = SearchSpace(cg)
+    assert space.valid(1, 2) and space.valid(3, 4)
+    assert not space.valid(2, 3) and not space.valid(0, 1)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve_plan(cg, 1, FAST)
+    unplanned, floor = timeline(cg, ()).peak_bytes, e.value.min_feasible_bytes
+    assert floor < unplanned
+    plan = solve_plan(cg, floor, FAST)
+    assert plan.regions and all(cg.nodes[r.start].unit == cg.nodes[r.end].unit != "" for r in plan.regions)
+    assert all(cg.nodes[r.start].unit == cg.nodes[r.end].unit for r in every_block(cg))
+
+
+def test_ddp_holds_its_buckets_throughout():
+    cg = per_rank(two_units(), Sharding("ddp", 2, bucket_bytes=32 * MB))
+    assert cg.fixed_bytes == 72 * MB and cg.meta["distributed"]["engine"] == "ddp"
+    assert timeline(cg, ()).peak_bytes == timeline(two_units(), ()).peak_bytes + 32 * MB
+
+
+def test_a_unit_that_runs_twice_is_refused():
+    cg = two_units()
+    nodes = list(cg.nodes)
+    nodes[4] = NodeCost(**{**nodes[4].__dict__, "module": "a"})
+    with pytest.raises(ValueError, match="runs twice"):
+        per_rank(CostGraph(tuple(nodes), cg.storages, cg.fixed_bytes, cg.param_bytes), SHARDED)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(config: str, tmp_path) -> dict:
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "distributed_worker.py"), config, str(_free_port()),
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp", "fsdp-keep", "ddp"])
+def test_two_gloo_ranks_train_like_one_process_and_fit(config, tmp_path):
+    """FSDP2 (per block then root; resharded after forward or not) and DDP, AdamW stepping: the
+    full gradients and parameters after three steps equal one process training the plain model
+    on the global batch; each rank's measured peak fits the per-rank budget, predicted within 5%."""
+    res = _two_ranks(config, tmp_path)
+    assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"]) and res["diff"]["param"] <= 1e-6
+    for rank in res["ranks"]:
+        assert rank["regions"] > 0                       # 80% of the unplanned peak needs regions
+        assert rank["measured"] <= rank["budget"]
+        assert abs(rank["predicted"] - rank["measured"]) <= 0.05 * rank["measured"]
+    assert res["ranks"][0]["predicted"] == res["ranks"][1]["predicted"]     # one plan, broadcast
+    if config == "fsdp":
+        assert all(rank["resharded_after_forward"] for rank in res["ranks"])
+
+
+def _report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", "report", "tests/distributed_worker.py:factory",
+                           "--budget", "90%", "--optimizer", "adamw", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_the_cli_plans_a_rank_of_any_world_from_one_process():
+    """`remat report MODEL --world-size N --fsdp` on a fake process group: one rank's step, its
+    shards and optimizer state shrinking with N; --ddp holds the whole model and its buckets."""
+    plans = {}
+    for flags in (("--world-size", "2", "--fsdp"), ("--world-size", "64", "--fsdp"), ("--world-size", "2", "--ddp")):
+        r = _report(*flags, "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        plans[flags] = json.loads(r.stdout)["plan"]
+    two, many, ddp = plans.values()
+    assert two["meta"]["distributed"] == {**two["meta"]["distributed"], "engine": "fsdp", "world_size": 2}
+    assert many["meta"]["distributed"]["world_size"] == 64
+    assert many["unplanned_peak_bytes"] < two["unplanned_peak_bytes"] < ddp["unplanned_peak_bytes"]
+    assert many["meta"]["optimizer_state_bytes"] < two["meta"]["optimizer_state_bytes"]
+    assert all(p["predicted_peak_bytes"] <= p["budget_bytes"] for p in plans.values())
+
+
+def test_the_cli_refuses_what_one_process_cannot_do_for_a_job():
+    r = subprocess.run([sys.executable, "-m", "runtime", "sweep", "tests/distributed_worker.py:factory",
+                        "--budgets", "50%..90%", "--world-size", "8", "--fsdp", "--no-plot"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--fsdp and --ddp plan one rank" in r.stderr
+
+
+def test_parameters_with_freed_storage_profile_as_the_real_ones():
+    """The planning copy's parameters hold no memory (their storage freed, as FSDP2 frees gathered
+    ones): the profile sees them at their full size, so it equals the real model's."""
+    import torch
+
+    from planner import analyze
+    from runtime.distributed import _empty
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 50))
+    x = torch.randint(0, 50, (4, 8))
+    real = analyze(m, (x,)).cost_graph
+    for mod in m.modules():
+        for k, p in list(mod._parameters.items()):
+            mod._parameters[k] = torch.nn.Parameter(_empty(p.shape, p.dtype, p.device))
+    assert sum(p.untyped_storage().nbytes() for p in m.parameters()) == 0
+    freed = analyze(m, (x,)).cost_graph
+    assert (freed.fixed_bytes, freed.param_bytes) == (real.fixed_bytes, real.param_bytes)
+    assert timeline(freed, ()).peak_bytes == timeline(real, ()).peak_bytes
+
+
+@pytest.mark.slow
+def test_an_infeasible_budget_raises_on_every_rank(tmp_path):
+    res = _two_ranks("infeasible", tmp_path)
+    assert [r["raised"] for r in res["ranks"]] == ["InfeasibleBudgetError"] * 2
+    assert res["ranks"][0] == res["ranks"][1] and res["ranks"][0]["unit"] == "MB"
+
+
+@pytest.mark.slow
+def test_mixed_precision_trains_as_fsdp2_does_and_fits(tmp_path):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduction): the gradients are FSDP2's without
+    remat, bit for bit; planned for bf16 gathered parameters and fp32 shards."""
+    res = _two_ranks("fsdp-bf16", tmp_path)
+    for rank in res["ranks"]:
+        assert rank["grad_diff_vs_fsdp"] == 0.0 and rank["regions"] > 0
+        assert rank["measured"] <= rank["budget"]
+        assert abs(rank["predicted"] - rank["measured"]) <= 0.05 * rank["measured"]
