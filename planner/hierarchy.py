@@ -90,7 +90,10 @@ ROUNDS = 5           # DP solves per budget when the simulator says the chained 
 CLOSE = 0.002        # ... stopping once a plan that fits is this close to the budget
 SEGMENT_PAIRS = 2 * FULL_PAIRS   # a segment's ILP offers every region up to this many (start, end) pairs
 POLISH_CANDIDATES = 1500         # the flat ILP over the options' regions (tiled, and across block
-                                 # boundaries) runs when there are at most this many of them
+                                 # boundaries) runs when there are at most this many of them ...
+POLISH_NODES = 1000              # ... for at most this many branch-and-bound nodes: warm-started from
+                                 # the chain's plan, it stops at this limit well before CBC's time
+                                 # limit, so that a busy machine gets the same plan
 LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
 LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
 CROSS = 3            # positions on each side of a segment boundary a polishing region may reach across
@@ -645,7 +648,8 @@ class HierarchicalSolver:
             label += " (no chain fits: from a known plan)"
         compact = self._polish()
         if compact is not None:
-            sol = _ilp.solve_ilp(self.cg, budget_bytes, replace(opts, improve_evals=0),
+            sol = _ilp.solve_ilp(self.cg, budget_bytes, replace(opts, improve_evals=0,
+                                                                max_nodes=min(opts.max_nodes, POLISH_NODES)),
                                  warm_start=best[1] if best else (), cands=compact, ctx=self.ctx)
             if sol is not None and (best is None or timeline(self.cg, sol.regions).recompute_s < best[0]):
                 best, label = (timeline(self.cg, sol.regions).recompute_s, sol.regions), label + "; polished by the ILP"
@@ -669,7 +673,9 @@ class HierarchicalSolver:
         key = lambda r: (timeline(self.cg, r).peak_bytes, timeline(self.cg, r).recompute_s)  # noqa: E731
         compact = self._polish()
         if compact is not None:
-            sol = _ilp.solve_min_peak(self.cg, replace(self.opts, improve_evals=0), cands=compact, ctx=self.ctx)
+            sol = _ilp.solve_min_peak(self.cg, replace(self.opts, improve_evals=0,
+                                                       max_nodes=min(self.opts.max_nodes, POLISH_NODES)),
+                                      cands=compact, ctx=self.ctx)
             if key(sol.regions) < key(regions):
                 regions, label = sol.regions, label + "; polished by the ILP"
         if self.opts.improve_evals:
