@@ -62,9 +62,9 @@ def as_close_as_eager(model, loss, ref: Reference) -> bool:
     return _error(loss, grads, ref) <= 2 * _error(ref.loss, ref.grads, ref) + 1e-5
 
 
-def median_step_s(models: dict, ex, repeats: int) -> dict:
-    """Median step seconds of each model, timed round-robin (one step of each per round), so that
-    a change of machine load hits every model alike."""
+def _round_robin_s(models: dict, ex, repeats: int) -> dict[str, list[float]]:
+    """Each model's step seconds in each of `repeats` rounds (one step of each per round, after two
+    warm-up steps each), so that a change of machine load hits every model alike."""
     for model in models.values():
         for _ in range(2):
             step(model, ex)
@@ -75,6 +75,12 @@ def median_step_s(models: dict, ex, repeats: int) -> dict:
             t0 = time.perf_counter()
             step(model, ex)
             times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median_step_s(models: dict, ex, repeats: int) -> dict:
+    """Median step seconds of each model, timed round-robin (`_round_robin_s`)."""
+    times = _round_robin_s(models, ex, repeats)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -93,16 +99,7 @@ class Ratio:
 def step_ratios(models: dict, ex, repeats: int, reference_key: str = "none") -> dict[str, Ratio]:
     """Each model's step time against `models[reference_key]`'s, timed round-robin (one step of
     each per round, after two warm-up steps each): per-round ratios, their median and range."""
-    for model in models.values():
-        for _ in range(2):
-            step(model, ex)
-    times: dict = {k: [] for k in models}
-    for _ in range(repeats):
-        for k, model in models.items():
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            step(model, ex)
-            times[k].append(time.perf_counter() - t0)
+    times = _round_robin_s(models, ex, repeats)
     base = times[reference_key]
     out = {}
     for k, v in times.items():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -34,7 +33,7 @@ from planner.result import Plan
 from .. import examples
 from ..api import ExactReplay
 from ..measure import peak_memory, preserved, training_loss
-from ..measure.timing import StepTiming, step_timing
+from ..measure.timing import StepTiming, interleaved_times, step_timing
 from ..rewrite import CompiledReplay, rewrite_plan
 
 
@@ -209,18 +208,7 @@ def measure_peak_bytes(loaded: Loaded, analysis: Analysis, plan: Plan | None, co
 
 def _best_times_s(fns: list[Callable], device: torch.device, repeats: int = 5) -> list[float]:
     """Best wall time of each function, after one warm-up each; run interleaved so drift hits all alike."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in fns:
-        fn()
-    best_s = [math.inf] * len(fns)
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best_s[k] = min(best_s[k], time.perf_counter() - t0)
-    return best_s
+    return [min(ts) for ts in interleaved_times(fns, device, rounds=repeats, warmup=1)]
 
 
 def measure_extra_pct(loaded: Loaded, analysis: Analysis, plan: Plan) -> float:
