@@ -20,13 +20,16 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    cheapest plan keeping at most a level) traces the segment's Pareto front of K against recompute,
    its widest gaps searched first (LEVELS solves), plus plans of least peak at some levels. Each
    plan is scored in the context of every segment of its family (`Option`: K, M, recompute).
+   The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
+   SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
+   and a split starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
 4. *The chain* (NOTE [ chain ]): with regions inside segments, the step's live bytes at node t of
    segment i are base(t) + sum_{j<i} K_j + d_i(t), where d_i is what segment i's own plan adds at t.
    A DP over the segments (`chain_dp`), its state the bytes kept so far, picks one option per
    segment at the least recompute with sum_{j<i} K_j + M_i within the budget at every segment
    (M_i: the most of base + d_i over segment i's nodes). Its choice then refines the fronts where
-   it lies (REFINE_SOLVES more ILPs per budget: gaps next to the options picked, the same K at a
-   lower peak), and the DP runs again.
+   it lies (REFINE_SOLVES more ILPs per budget, WIDTH at once: the same K at a lower peak for the
+   options picked, gaps next to them), and the DP runs again.
 5. *The judge.* The chained plan is replayed by `simulate.timeline`; where the chain's prediction
    missed (the decomposition is exact only under NOTE [ chain ]'s conditions) the DP runs again at a
    budget corrected by the miss. On graphs small enough (POLISH_CANDIDATES), the flat ILP then
@@ -63,6 +66,7 @@ import math
 import re
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from itertools import takewhile
 from typing import NamedTuple
@@ -97,6 +101,8 @@ POLISH_NODES = 1000              # ... for at most this many branch-and-bound no
 LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
 LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
 CROSS = 3            # positions on each side of a segment boundary a polishing region may reach across
+WIDTH = 3            # segment ILPs solved at once, each by its own CBC process (a constant, not the
+                     # machine's core count: every machine makes the same plan)
 
 
 # ------------------------------------------------------------------------------ structure
@@ -290,8 +296,8 @@ class SegmentILP:
             return
         prob = self.prob = pulp.LpProblem("segment", pulp.LpMinimize)
         self.B = pulp.LpVariable("B", 0)
-        self.x, y, covering, coverable = _ilp._path(prob, self.cands, len(sub.nodes))
-        lines = _ilp._keep(prob, sub, self.cands, self.x, y, coverable)
+        self.x, self.y, covering, coverable = _ilp._path(prob, self.cands, len(sub.nodes))
+        lines = _ilp._keep(prob, sub, self.cands, self.x, self.y, coverable)
         _ilp._budget_lines(prob, sub, self.cands, self.x, covering, lines, self.B, False)
         # a storage also held after the segment (by the sink) has its -z term at the sink in K's chain
         sink = len(sub.nodes) - 1
@@ -304,10 +310,12 @@ class SegmentILP:
         self.cap = pulp.LpConstraint(self.kept, pulp.LpConstraintLE, "kept_cap", 1e18)
         prob += self.cap
 
-    def _run(self, objective, below: float, nodes: int | None = None):
+    def _run(self, objective, below: float, nodes: int | None = None, start=None):
         self.cap.constant = -below
         self.prob.setObjective(objective)
-        _, _, sol = _ilp._run(self.prob, self.opts, False, nodes)
+        if start is not None:                  # a plan known to meet the constraints: CBC's first incumbent
+            _ilp.set_start(self.cands, self.x, self.y, start)
+        _, _, sol = _ilp._run(self.prob, self.opts, start is not None, nodes)
         if sol not in _ilp._SOLVED:
             return None
         return _ilp._chosen(self.cands, self.x), pulp.value(self.kept) or 0.0
@@ -318,14 +326,14 @@ class SegmentILP:
             return None
         return self._run(self.kept + _ilp._TIE * self.cost / self.total, 1e18)
 
-    def cheapest(self, below: float, peak_below: float | None = None):
+    def cheapest(self, below: float, peak_below: float | None = None, start=None):
         """(plan, K in MB) of least recompute keeping at most `below` MB (and peaking below
-        `peak_below` MB in the segment graph, if given), or None."""
+        `peak_below` MB in the segment graph, if given), or None. `start`: a plan that meets both."""
         if not self.cands:
             return None
         self.B.upBound = peak_below
         try:
-            return self._run(self.cost + self.nudge * self.kept, below)
+            return self._run(self.cost + self.nudge * self.kept, below, start=start)
         finally:
             self.B.upBound = None
 
@@ -348,7 +356,7 @@ def chain_dp(options: list[list[Option]], budget: int) -> tuple[float, list[int]
                for oi, o in enumerate(opts) if k + o.peak <= budget]
         if not nxt:
             return None
-        nxt.sort(key=lambda e: (e[0], e[1]))
+        nxt.sort()                       # ties in (kept, cost): the first made first, as made
         front, best = [], math.inf
         for e in nxt:                    # less kept, less cost
             if e[1] < best - 1e-15:
@@ -406,14 +414,21 @@ class _Family:
     by bisection on K (the cheapest plan keeping at most the middle: a new point of the front, or
     none there), and `searched` says how far up from the lower point a gap holds no point."""
 
-    def __init__(self, members: list[int], rep: "_Context", ilp: SegmentILP, min_gap: float):
-        self.members, self.rep, self.ilp = members, rep, ilp
-        self.min_gap = max(min_gap, 4 * ilp.tol)      # MB: narrower gaps are not searched
+    def __init__(self, members: list[int], rep: "_Context", make_ilp, min_gap: float):
+        self.members, self.rep, self.make_ilp = members, rep, make_ilp
+        self.ilps = [make_ilp()]                      # one per batch slot (`ilp_at`), made when needed
+        self.ilp = self.ilps[0]
+        self.min_gap = max(min_gap, 4 * self.ilp.tol)      # MB: narrower gaps are not searched
         self.plans: list[tuple[Region, ...]] = []
         self.front: list[tuple[float, float, tuple[Region, ...]]] = []   # (K MB, seconds, plan), K ascending
         self.searched: dict[tuple[Region, ...], float] = {}             # upper point -> K searched up to
-        self.low_peak: set[float] = set()                               # K the least-peak plan is solved at
         self.lowered: set[tuple[Region, ...]] = set()                   # plans a lower peak was sought for
+
+    def ilp_at(self, slot: int) -> SegmentILP:
+        """This family's ILP for batch slot `slot` (a CBC run at a time each: they set their own levels)."""
+        while len(self.ilps) <= slot:
+            self.ilps.append(self.make_ilp())
+        return self.ilps[slot]
 
     def point(self, plan) -> tuple[float, float, tuple[Region, ...]]:
         o = self.rep.score(plan)
@@ -437,20 +452,62 @@ class _Family:
                 out.append(((hi - lo) / dk * (f[j][1] - f[j + 1][1]) / dc, j))
         return out
 
-    def split(self, j: int) -> tuple[Region, ...] | None:
-        """Search the gap above front point j once: the plan found (a new point of the front), or None."""
+    def split(self, j: int) -> "Job":
+        """The search of the gap above front point j, once (marked searched now): the cheapest plan
+        keeping at most the gap's middle; taken, it is a new point of the front, or nothing."""
         lo, hi = self._open(j)
         tol = self.ilp.tol
         mid = (lo + hi) / 2 if hi - lo > 16 * tol else hi - 2 * tol
-        self.searched[self.front[j + 1][2]] = mid
-        got = self.ilp.cheapest(mid)
-        if got is None or got[0] in {p for _, _, p in self.front}:
-            return None
-        k, c, plan = self.point(got[0])
-        if not self.front[j][0] + tol < k < self.front[j + 1][0] - tol or c >= self.front[j][1]:
-            return None
-        self.front.insert(j + 1, (k, c, plan))
-        return plan
+        below, above = self.front[j], self.front[j + 1]
+        self.searched[above[2]] = mid
+
+        def take(got) -> tuple[Region, ...] | None:
+            if got is None or got[0] in {p for _, _, p in self.front}:
+                return None
+            k, c, plan = self.point(got[0])
+            if not below[0] + tol < k < above[0] - tol or c >= below[1]:
+                return None
+            self.front.insert(self.front.index(below) + 1, (k, c, plan))   # other jobs split other gaps
+            return plan
+        return Job(self, lambda ilp: ilp.cheapest(mid, start=below[2]), take)
+
+    def least_peak(self, at: int) -> "Job":
+        """The least-peak plan keeping at most the K of front point `at`."""
+        k = self.front[at][0]
+        return Job(self, lambda ilp: ilp.least_peak(k), _plan_of)
+
+    def lower(self, plan) -> "Job":
+        """The cheapest plan keeping no more than `plan` at a lower peak in the segment graph (a block
+        whose working set binds the budget); once per plan."""
+        self.lowered.add(plan)
+        k = self.rep.score(plan).kept * _ilp._MB + self.ilp.tol
+        peak = timeline(self.rep.sub, plan).peak_bytes * _ilp._MB - self.ilp.tol
+        return Job(self, lambda ilp: ilp.cheapest(k, peak), _plan_of)
+
+
+def _plan_of(got):
+    return None if got is None else got[0]
+
+
+class Job(NamedTuple):
+    """One segment ILP to solve: `solve(ilp)` on one of the family's SegmentILPs (in a worker
+    thread: CBC runs as a process), `take(result)` back in order (the plan found, or None)."""
+    family: _Family
+    solve: object
+    take: object
+
+
+def run_jobs(jobs: list[Job]) -> list:
+    """Solve `jobs` (at most WIDTH) at once, each on its own ILP, and take their results in order:
+    the plans found (None where none). Each job's result depends on its ILP and level only, so the
+    plans are those of solving them one after another."""
+    ilps = [job.family.ilp_at(slot) for slot, job in enumerate(jobs)]
+    if len(jobs) == 1:
+        got = [jobs[0].solve(ilps[0])]
+    else:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job, ilp: job.solve(ilp), jobs, ilps))
+    return [job.take(g) for job, g in zip(jobs, got)]
 
 
 class HierarchicalSolver:
@@ -475,7 +532,8 @@ class HierarchicalSolver:
         min_gap = MIN_GAP * (timeline(cg, ()).peak_bytes - cg.fixed_bytes) * _ilp._MB
         for members in by.values():
             rep = self.contexts[members[len(members) // 2]]      # a middle block: the usual context
-            fam = _Family(members, rep, SegmentILP(rep.sub, opts, rep.score(()).kept), min_gap)
+            k_none = rep.score(()).kept
+            fam = _Family(members, rep, lambda rep=rep, k=k_none: SegmentILP(rep.sub, opts, k), min_gap)
             self.families.append(fam)
             self._first_options(fam)
         self.types = len({s.type for s in self.segs if s.kind == "block"})
@@ -484,25 +542,26 @@ class HierarchicalSolver:
 
     def _first_options(self, fam: _Family) -> None:
         """No regions and the least K (the ends of the front), then LEVELS gaps split, the widest
-        first, then the least-peak plan at LOW_PEAK of the front's K (the least first)."""
+        first, WIDTH at a time; and the least-peak plan at LOW_PEAK of the front's K: the least in
+        the first batch (one gap to split there), the others once the splits are done."""
         plans = [()]
         low = fam.ilp.least_kept()
         if low is not None:
             fam.front = sorted({fam.point(()), fam.point(low[0])}, key=lambda e: e[0])
             plans.append(low[0])
-            for _ in range(LEVELS):
-                gaps = fam.gaps()
-                if not gaps:
+            splits, peaks = 0, 0
+            while True:
+                gaps = sorted(fam.gaps(), reverse=True)[:min(WIDTH, LEVELS - splits)]
+                jobs = [fam.split(j) for _, j in sorted(gaps, key=lambda g: g[1])]
+                splits += len(jobs)
+                last = not gaps or splits >= LEVELS
+                n = len(fam.front) - 1
+                while peaks < min(LOW_PEAK, n) and len(jobs) < WIDTH and (peaks == 0 or last):
+                    jobs.append(fam.least_peak(peaks * n // LOW_PEAK))
+                    peaks += 1
+                if not jobs:
                     break
-                got = fam.split(max(gaps)[1])
-                if got is not None:
-                    plans.append(got)
-            ks = [k for k, _, _ in fam.front]
-            for j in range(min(LOW_PEAK, len(ks) - 1)):
-                fam.low_peak.add(ks[j * (len(ks) - 1) // LOW_PEAK])
-                got = fam.ilp.least_peak(ks[j * (len(ks) - 1) // LOW_PEAK])
-                if got is not None:
-                    plans.append(got[0])
+                plans += [p for p in run_jobs(jobs) if p is not None]
         self._add(fam, plans)
 
     def _add(self, fam: _Family, plans) -> bool:
@@ -517,40 +576,35 @@ class HierarchicalSolver:
             self.options[i] = _pareto(scored)
         return bool(new)
 
-    def _refine(self, choice: list[int]) -> int:
-        """One more segment ILP where the DP's choice lies: for an option it picked (once each), the
-        cheapest plan keeping no more at a lower peak in the segment graph; else the widest open gap
-        of a family's front next to a picked option is split. The ILPs solved: 0 when there is
-        nothing left to search there."""
-        best = None
+    def _refine(self, choice: list[int], most: int) -> int:
+        """Up to `most` (at most WIDTH) more segment ILPs where the DP's choice lies, solved at once:
+        for the options it picked (once each), the cheapest plan keeping no more at a lower peak in
+        the segment graph; then the widest open gaps of the families' fronts next to a picked
+        option. The ILPs solved: 0 when there is nothing left to search there."""
+        most = min(most, WIDTH)
+        jobs, gaps = [], []
         for fam in self.families:
             picked = {_shift(self.options[i][choice[i]].regions, -(self.segs[i].start - 1)) for i in fam.members}
             for p in sorted(picked - fam.lowered, key=lambda p: fam.plans.index(p)):
-                # the same K or less at a lower peak (a block whose working set binds the budget)
-                fam.lowered.add(p)
-                got = fam.ilp.cheapest(fam.rep.score(p).kept * _ilp._MB + fam.ilp.tol,
-                                       timeline(fam.rep.sub, p).peak_bytes * _ilp._MB - fam.ilp.tol)
-                if got is not None:
-                    self._add(fam, [got[0]])
-                return 1
+                if len(jobs) < most:
+                    jobs.append(fam.lower(p))
             near = {j for j, (_, _, p) in enumerate(fam.front) if p in picked}
-            for area, j in fam.gaps():
-                if (j in near or j + 1 in near) and (best is None or area > best[0]):
-                    best = (area, j, fam)
-        if best is None:
+            gaps += [(area, -len(gaps), j, fam) for area, j in fam.gaps() if j in near or j + 1 in near]
+        for _, _, j, fam in sorted(gaps, key=lambda g: g[:2], reverse=True)[:most - len(jobs)]:
+            jobs.append(fam.split(j))
+        if not jobs:
             return 0
-        _, j, fam = best
-        got = fam.split(j)
-        if got is not None:
-            self._add(fam, [got])
-        return 1
+        for job, plan in zip(jobs, run_jobs(jobs)):
+            if plan is not None:
+                self._add(job.family, [plan])
+        return len(jobs)
 
     def _plan(self, budget: int) -> tuple[tuple[Region, ...], int] | None:
         """The chain DP's plan within `budget` (options refined around its choice first, as long as
         `self.refine_left` segment ILPs are left) and the peak the chain predicts for it."""
         got = chain_dp(self.options, budget)
         while got is not None and self.refine_left > 0:
-            made = self._refine(got[1])
+            made = self._refine(got[1], self.refine_left)
             if not made:
                 break
             self.refine_left -= made

@@ -273,6 +273,17 @@ def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None):
     return time.perf_counter() - t0, pulp.LpStatus[prob.status], prob.sol_status
 
 
+def set_start(cands: list[Candidate], x, y, regions) -> None:
+    """CBC's initial solution: the candidates of `regions` chosen, the nodes outside them on the path."""
+    warm, covered = set(regions), set()
+    for c, v in zip(cands, x):
+        v.setInitialValue(1 if c.region in warm else 0)
+        if c.region in warm:
+            covered.update(range(c.region.start, c.region.end + 1))
+    for i, v in enumerate(y):
+        v.setInitialValue(0 if i in covered else 1)
+
+
 def _chosen(cands, x) -> tuple[Region, ...]:
     return tuple(sorted((c.region for c, v in zip(cands, x) if (v.value() or 0) > 0.5),
                         key=lambda r: r.start))
@@ -301,15 +312,8 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     cands = candidates(cg, opts, ctx.space) if cands is None else cands
     m = _model(cg, cands, budget_bytes)
     m.prob.setObjective(m.cost)
-    warm = set(warm_start)
-    covered = set()
-    for c, v in zip(cands, m.x):
-        v.setInitialValue(1 if c.region in warm else 0)
-        if c.region in warm:
-            covered.update(range(c.region.start, c.region.end + 1))
-    for i, v in enumerate(m.y):
-        v.setInitialValue(0 if i in covered else 1)
-    solve_s, status, sol = _run(m.prob, opts, bool(warm))
+    set_start(cands, m.x, m.y, warm_start)
+    solve_s, status, sol = _run(m.prob, opts, bool(warm_start))
     if sol not in _SOLVED:
         return None
     obj = (pulp.value(m.cost) or 0.0) / _US

@@ -267,3 +267,27 @@ def test_gpt2_4_layers_within_one_percent_of_the_exact_ilp(case):
         assert valid(cg, ours.regions) and ours.predicted_peak_bytes <= budget
         row = exact_row(cg, budget, ours, options.safety_margin)
         assert row["ours_s"] <= row["exact_s"] * 1.01 + 1e-12, (f, row)
+
+
+@pytest.mark.slow
+def test_segment_ilps_solved_at_once_give_the_plans_solved_one_by_one(monkeypatch):
+    """run_jobs solves WIDTH segment ILPs at once (threads, one CBC process each): the plans are those
+    of solving the same jobs one after another, and a split started from its gap's lower point finds
+    the plan of a cold start."""
+    import planner.hierarchy as H
+
+    cg = block_chain(11, n_blocks=4, size=4)
+    budget = exact_budgets(cg, (0.4,))[1][0]
+
+    def plans():
+        h = HierarchicalSolver(cg, SolveOptions(improve_evals=0))
+        return [f.front for f in h.families], h.solve(cg, budget).regions
+
+    at_once = plans()
+    monkeypatch.setattr(H, "run_jobs", lambda jobs: [job.take(job.solve(job.family.ilp_at(i)))
+                                                     for i, job in enumerate(jobs)])
+    assert plans() == at_once
+    cold = H.SegmentILP.cheapest
+    monkeypatch.setattr(H.SegmentILP, "cheapest", lambda self, below, peak_below=None, start=None:
+                        cold(self, below, peak_below))
+    assert plans()[1] == at_once[1]
