@@ -18,6 +18,8 @@ it does not check out. Deterministic: moves in a fixed order, at most `max_evals
 """
 from __future__ import annotations
 
+from itertools import accumulate
+from operator import add
 from typing import NamedTuple
 
 from .candidates import SearchSpace
@@ -73,13 +75,11 @@ class Judge:
             b = self.bytes[sid]
             fd[self.last[sid] + 1] += b
             bd[q] += b
-        peak, f, k = self.opt, 0, 0           # the optimizer's step: the same under every plan
-        fwd, bwd = self.fwd, self.bwd
-        for t in range(n):
-            f += fd[t]
-            k += bd[t]
-            peak = max(peak, fwd[t] + f, bwd[t] + k + work[t])
-        return peak
+        # forward: base + kept so far; backward: base + released so far + the region's working set;
+        # the optimizer's step: the same under every plan (running sums in C: the search's inner loop)
+        fwd = max(map(add, self.fwd[:n], accumulate(fd[:n])))
+        bwd = max(map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work))
+        return max(self.opt, fwd, bwd)
 
 
 class Search(NamedTuple):
