@@ -498,3 +498,116 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
         attention = [n for n in cg.nodes if "scaled_dot_product" in n.target]
         assert len(attention) == 2 and all(n.flops > 0 for n in attention), device
     assert graphs["meta"] == graphs["cpu"]
+
+
+# ------------------------------------------------------------------ bf16 autocast
+def _autocast_step(model, inputs, loss_fn, backward_in_autocast: bool, kwargs=None):
+    """One step under bf16 autocast, backward inside the autocast block or after it, seeded; (loss, grads)."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model(*inputs, **(kwargs or {})))
+        if backward_in_autocast:
+            loss.backward()
+    if not backward_in_autocast:
+        loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _same_autocast_step(ref, wrapped, inputs, loss_fn, backward_in_autocast: bool):
+    (a, ga), (b, gb) = (_autocast_step(m, inputs, loss_fn, backward_in_autocast) for m in (ref, wrapped))
+    assert torch.equal(a, b)
+    assert all(torch.equal(g, h) for g, h in zip(ga, gb)), [(g - h).abs().max().item() for g, h in zip(ga, gb)]
+
+
+class _SharedLinear(nn.Module):
+    """One weight used twice: autocast casts it at the first use and caches the cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.lin(x)))
+
+
+def _square(x) -> torch.Tensor:
+    return x.float().square().sum()
+
+
+@pytest.mark.parametrize("backward_in_autocast", [True, False])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sac_regions_under_autocast_recompute_what_the_forward_computed(shared, backward_in_autocast):
+    """torch's SAC matches the recompute's ops to the forward's by position, and autocast
+    dispatches a weight's cast only when its cache does not hold it: a recompute that found the
+    casts cached (backward inside autocast) gave the first layer's input cast its weight's cast
+    (square layers: silently wrong gradients), a region whose forward found its weight cast
+    already (the weight used before it) failed in backward (runtime/rewrite/sac.py)."""
+    from planner.result import Region
+    from runtime.rewrite import rewrite
+    torch.manual_seed(0)
+    model = _SharedLinear() if shared else nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(),
+                                                         nn.Linear(8, 8, bias=False))
+    x = torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = analyze(model, (x,), None, _square)
+    names = tuple(c.name for c in a.cost_graph.nodes)
+    region = Region(2, 2, (2,)) if shared else Region(0, 2, (0, 2))     # SAC keeps the linear(s)
+    wrapped = rewrite(model, a.traced.gm, (region,), names, a.cost_graph.meta).train()
+    _same_autocast_step(ref, wrapped, (x,), _square, backward_in_autocast)
+
+
+def test_known_plans_replay_under_autocast_as_the_real_step_measures():
+    """The exact replay runs the step inside the caller's autocast: torch's SAC failed on the SAC
+    known plan's recompute (found cached casts), so every plan_and_wrap under autocast that
+    replayed it (a budget below the floor, a SAC plan chosen) raised RuntimeError; hf-gpt2's was
+    an IndexError in an SDPA transpose. Now each replays to the byte of the real step's meter."""
+    from planner.baselines import known_plans
+    from runtime.api import ExactReplay
+    from runtime.rewrite import rewrite
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)])
+    x = torch.randn(512, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = analyze(model, (x,), None, _square)
+        replay = ExactReplay(model, a, _square)
+        plans = known_plans(a.cost_graph)
+        assert any(r.saved for r in plans["sac_every_block"])
+        replayed = {k: replay(r) for k, r in plans.items()}
+    names = tuple(c.name for c in a.cost_graph.nodes)
+    for k, regions in plans.items():
+        gm = rewrite(model, a.traced.gm, regions, names, a.cost_graph.meta).train()
+        measured = peak_memory(lambda: _autocast_step(gm, (x,), _square, True), model, x)
+        assert measured == replayed[k], k
+        _same_autocast_step(copy.deepcopy(model), gm, (x,), _square, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(InfeasibleBudgetError):
+        plan_and_wrap(model, 0.0001, example_inputs=(x,), loss_fn=_square)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_plans_under_autocast():
+    """The original report: hf-gpt2's SAC known plan, replayed under bf16 autocast, raised an
+    IndexError in an SDPA transpose during the recompute, and so did plan_and_wrap at 35%."""
+    pytest.importorskip("transformers")
+    from benchmarks.models import MODELS
+    from planner.baselines import known_plans
+    from runtime.api import ExactReplay
+    from runtime.rewrite import rewrite
+    ex = MODELS["hf-gpt2"]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
+        regions = known_plans(a.cost_graph)["sac_every_block"]
+        replayed = ExactReplay(ex.model, a, ex.loss_fn)(regions)
+    gm = rewrite(ex.model, a.traced.gm, regions, tuple(c.name for c in a.cost_graph.nodes), a.cost_graph.meta)
+    step = lambda: _autocast_step(gm.train(), (), ex.loss_fn, True, a.example_inputs)     # noqa: E731
+    assert peak_memory(step, ex.model, *ex.inputs) == replayed
+    ref = copy.deepcopy(ex.model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(InfeasibleBudgetError) as e:
+        plan_and_wrap(ex.model, "35%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wrapped = plan_and_wrap(ex.model, e.value.min_feasible_bytes / 1e9, example_inputs=ex.inputs,
+                                loss_fn=ex.loss_fn, options=FAST)
+    for inside in (True, False):
+        _same_autocast_step(ref, wrapped, ex.inputs, ex.loss_fn, inside)
