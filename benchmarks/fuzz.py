@@ -5,24 +5,30 @@ BatchNorm, LayerNorm, Dropout, Embedding, attention as F.scaled_dot_product_atte
 softmax(QK^T)V, activations; residuals, branch-and-merge, in-place ops, views, buffers updated in
 forward, forward pre-hooks that update buffers, frozen and tied parameters, tuple and dict
 outputs, keyword inputs), its example inputs, a mode (wrapped in train mode, or wrapped in eval
-mode and then .train()-ed), a loss (the default, or a closure over a real target tensor) and a
-budget fraction. Everything is drawn from the seed alone.
+mode and then .train()-ed), a loss (the default, or a closure over a real target tensor), a
+budget fraction and bf16 autocast or not (around planning and each step's forward and loss, and
+its backward or not), and whether it is first asked for half its smallest feasible budget (then
+planned at the floor the InfeasibleBudgetError names). Everything is drawn from the seed alone.
 
 `check_case(case)` plans the budget (between the smallest feasible and the unplanned peak),
 wraps a deep copy with `runtime.plan_and_wrap`, and runs two training steps (SGD between them)
-on it and on the unwrapped oracle with the same torch seed: loss, outputs, gradients,
+on it and on the unwrapped oracle with the same torch seed and autocast: loss, outputs, gradients,
 parameters, buffers and the CPU RNG state must be bitwise equal; planning must not change the
 user's model or the RNG; the measured peak of the first wrapped step must be within the budget
-and the plan's prediction in [measured, 1.05 x measured]. It returns failures as
+and the plan's prediction in [measured, 1.05 x measured] (with backward after the autocast block,
+in [measured, budget]: the plan is for backward inside it, which holds autocast's weight casts). It returns failures as
 "kind: detail" strings (an empty list is a pass).
 
     python benchmarks/fuzz.py --n 1000 [--start 0] [--out benchmarks/results/DATE-fuzz.md]
     python benchmarks/fuzz.py --seed 123 -v          # one case: the model and every number
+    python benchmarks/fuzz.py --n 200 --autocast step  # every case under bf16 autocast
+    python benchmarks/fuzz.py --n 200 --below-floor    # every case asked below its floor first
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import dataclasses
 import math
@@ -404,6 +410,9 @@ class Case:
     u: float                          # budget = min_feasible + u * (unplanned - min_feasible)
     features: list[str] = field(default_factory=list)
     hold_output: bool = True          # the step keeps the output alive through backward
+    autocast: str | None = None       # bf16 autocast around planning and each step's forward and
+                                      # loss, and its backward too ("step") or not ("forward")
+    below_floor: bool = False         # asked for half the smallest feasible budget first
 
     def summary(self) -> str:
         return " ".join(self.features)
@@ -437,8 +446,14 @@ def _loss_ce(y, aux):
     return loss_fn
 
 
-def make_case(seed: int) -> Case:
-    """A random small model, inputs, mode, loss and budget fraction: a function of `seed` alone."""
+AUTOCAST = ("step", "forward")
+DRAWN = "drawn"
+
+
+def make_case(seed: int, autocast: str | None = DRAWN, below_floor: bool | None = None) -> Case:
+    """A random small model, inputs, mode, loss, budget fraction, autocast and whether to ask below
+    the floor first: a function of `seed` alone (`autocast`: None or one of AUTOCAST, and
+    `below_floor`, when given, instead of the drawn ones)."""
     r = random.Random(seed)
     fam = r.choice(("seq", "seq", "img", "flat"))
     d = r.choice((8, 16, 32, 64)) if fam != "img" else r.choice((4, 8, 16))
@@ -531,7 +546,20 @@ def make_case(seed: int) -> Case:
     if not _KEEP_OUTPUT_OPTION:
         hold_output = True              # planners before the keep_output option assume it is held
     features.append("holds-output" if hold_output else "releases-output")
-    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features, hold_output)
+    drawn = r.choice((None, None) + AUTOCAST)       # drawn last too, for the same reason
+    autocast = drawn if autocast == DRAWN else autocast
+    if autocast is not None:
+        features.append(f"autocast-bf16({autocast})")
+    drawn = r.random() < 0.25
+    below_floor = drawn if below_floor is None else below_floor
+    if below_floor:
+        features.append("below-floor")
+    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features, hold_output, autocast, below_floor)
+
+
+def _autocast(case: Case):
+    """The case's autocast, around planning and each step's forward and loss (and backward in "step")."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if case.autocast else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,19 +638,35 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
     model = copy.deepcopy(case.model)               # the user's model, to be wrapped
     info["stage"] = "budget"
     t0 = time.perf_counter()
-    unplanned, min_feasible, budget = budgets(case)
+    with _autocast(case):
+        unplanned, min_feasible, budget = budgets(case)
     info["t_budget"] = time.perf_counter() - t0
     info.update(unplanned=unplanned, min_feasible=min_feasible, budget=budget)
     log(f"unplanned {unplanned} B, smallest feasible {min_feasible} B, budget {budget} B (u={case.u:.3f})")
+    if case.below_floor:
+        info["stage"] = "below the floor"
+        try:        # every known plan is replayed for the floor; the one it names must then be met
+            with _autocast(case):
+                plan_and_wrap(copy.deepcopy(model), min_feasible / 2e9, example_inputs=case.args,
+                              example_kwargs=case.kwargs, loss_fn=case.loss_fn, options=options(case))
+            budget = min_feasible // 2
+        except InfeasibleBudgetError as e:
+            budget = e.min_feasible_bytes
+        info["budget"] = budget
+        log(f"below the floor: planned at {budget} B")
 
     info["stage"] = "plan_and_wrap"
     before = _state(model)
     rng_before = torch.get_rng_state()
     try:
-        wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=case.args, example_kwargs=case.kwargs,
-                                loss_fn=case.loss_fn, options=options(case))
+        with _autocast(case):
+            wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=case.args, example_kwargs=case.kwargs,
+                                    loss_fn=case.loss_fn, options=options(case))
     except InfeasibleBudgetError as e:
         info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
+        if case.below_floor:
+            return [f"floor/not-met: plan_and_wrap raised at the smallest feasible budget it had named, {budget} B "
+                    f"(it says {e.min_feasible_bytes} B now)"]
         return [f"infeasible: plan_and_wrap raised at budget {budget} B >= smallest feasible {min_feasible} B "
                 f"(it says {e.min_feasible_bytes} B)"]
     if not torch.equal(rng_before, torch.get_rng_state()):
@@ -663,15 +707,15 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
 
         def run(m, a, kw, into):
             torch.manual_seed(seed)
-            if hold:
-                out = m(*a, **kw)
-                loss = training_loss(out, case.loss_fn)
+            with _autocast(case):
+                out = m(*a, **kw) if hold else None
+                loss = training_loss(out if hold else m(*a, **kw), case.loss_fn)
+                if case.autocast == "step":
+                    loss.backward()
+            if case.autocast != "step":
                 loss.backward()
-                into["out"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-            else:
-                loss = training_loss(m(*a, **kw), case.loss_fn)
-                loss.backward()
-                into["out"] = None
+            into["out"] = None if out is None else tree_map(
+                lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
             into["loss"] = loss.detach()
 
         m_ref = peak_memory(lambda: run(oracle, args_ref, kwargs_ref, res_ref), oracle,
@@ -689,7 +733,7 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
                              f"(predicted {plan.predicted_peak_bytes} B, {len(plan.regions)} regions)")
             if plan.predicted_peak_bytes < measured:
                 fails.append(f"memory/under-predicted: predicted {plan.predicted_peak_bytes} B < measured {measured} B")
-            elif plan.predicted_peak_bytes > 1.05 * measured:
+            elif plan.predicted_peak_bytes > 1.05 * measured and case.autocast != "forward":
                 fails.append(f"memory/over-predicted: predicted {plan.predicted_peak_bytes} B > 1.05 x measured "
                              f"{measured} B ({plan.predicted_peak_bytes / measured:.3f}x)")
         if not _same(res["loss"], res_ref["loss"]):
@@ -733,11 +777,12 @@ def kind_of(failure: str) -> str:
     return failure.split(": ", 1)[0]
 
 
-def run_seed(seed: int, verbose: bool = False) -> tuple[Case | None, list[str], dict, float]:
+def run_seed(seed: int, verbose: bool = False, autocast: str | None = DRAWN,
+             below_floor: bool | None = None) -> tuple[Case | None, list[str], dict, float]:
     t0 = time.perf_counter()
     info: dict = {}
     try:
-        case = make_case(seed)
+        case = make_case(seed, autocast, below_floor)
     except Exception as e:
         return None, [f"exception/make_case-{type(e).__name__}: {e}"], info, time.perf_counter() - t0
     if verbose:
@@ -770,6 +815,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, help="run this one seed (with -v: print the model and numbers)")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--out", help="write a results markdown file here")
+    ap.add_argument("--autocast", choices=AUTOCAST + ("off",),
+                    help="every case with this autocast instead of the drawn one (see Case.autocast)")
+    ap.add_argument("--below-floor", action="store_true", help="every case asked below its floor first")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)              # deterministic kernels, and fair on a shared machine
     import warnings
@@ -782,7 +830,8 @@ def main(argv=None) -> int:
     times, done, with_regions = [], 0, 0
     try:
         for seed in seeds:
-            case, fails, info, dt = run_seed(seed, args.verbose)
+            autocast = DRAWN if args.autocast is None else None if args.autocast == "off" else args.autocast
+            case, fails, info, dt = run_seed(seed, args.verbose, autocast, True if args.below_floor else None)
             times.append(dt)
             done += 1
             with_regions += bool(info.get("regions"))

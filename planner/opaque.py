@@ -12,6 +12,7 @@ activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,13 +29,14 @@ from .storage import LiveBytes, unlinked
 @dataclass(frozen=True)
 class OpaqueCost:
     flops: int
-    saved_input_positions: tuple[int, ...]   # which tensor inputs autograd saved
+    saved_input_positions: tuple[int, ...]   # which tensor inputs autograd still holds once it returned
     internal_saved_bytes: int                # saved storages made inside the module
     fwd_extra_bytes: int                     # forward peak above its inputs, outputs excluded
     bwd_extra_bytes: int                     # backward peak above what it starts with (saved, outputs' grads)
+                                             # (its grads handed over by autograd, freed as they are used)
     host_random: bool = False                # drew Python or numpy random numbers
     writes_state: bool = False               # wrote a tensor attribute of its own in place
-    saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd saved inside it
+    saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd still holds inside it
 
 
 @dataclass(frozen=True)
@@ -123,17 +125,11 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         r_args, r_kwargs = tree_unflatten(real, spec)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
         inputs = [x for x in real if isinstance(x, torch.Tensor)]
-        in_storages = [x.untyped_storage() for x in inputs]
-        saved_inputs, internal = set(), {}
+        packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
         def pack(t):
-            st = t.untyped_storage()
-            for i, s in enumerate(in_storages):
-                if s is st:
-                    saved_inputs.add(i)
-                    return unlinked(t)
-            if all(st is not p.untyped_storage() for p in state.values()):
-                internal[id(st)] = st.nbytes()
-            return unlinked(t)
+            p = unlinked(t)
+            packed.append((weakref.ref(p), weakref.ref(t.untyped_storage())))
+            return p
         with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
             start = live.live_bytes
             drawn: list[bool] = []
@@ -141,28 +137,49 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             torch_rng = torch.random.get_rng_state()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
                 out = torch.func.functional_call(module, state, r_args, r_kwargs)
-            drew_torch = not torch.equal(torch_rng, torch.random.get_rng_state())
+            torch_rng = (torch_rng, torch.random.get_rng_state())   # compared after the meter: it would count them
             writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
             # What its graph still holds now that it returned, its outputs aside (a branch that died
-            # in forward, `delta.norm() < tol`, held its saved tensors only while it ran); the outputs
-            # it saved, the stand-in's outputs hold (saved by it)
+            # in forward, `delta.norm() < tol`, held its saved tensors only while it ran); the inputs
+            # and outputs it still saves, the stand-in holds (saved by it)
             held = max(0, live.live_bytes - start - out_bytes)
-            saved_outputs = tuple(k for k, t in enumerate(outs) if id(t.untyped_storage()) in internal)
+            saved = [st() for ref, st in packed if ref() is not None]
+            saved_inputs = [i for i, x in enumerate(inputs) if any(x.untyped_storage() is st for st in saved)]
+            saved_outputs = tuple(k for k, t in enumerate(outs) if any(t.untyped_storage() is st for st in saved))
+            del saved
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             grads = [t for t in outs if t.requires_grad]
-            seeds = [torch.ones_like(t) for t in grads]     # the outputs' grads: the step has them anyway
+            seed = torch.zeros(())
+            root = _Seeds.apply(*grads) if grads else None
             live.reset_peak()
-            before_bwd = live.live_bytes
+            # the backward's peak above what it starts with: saved tensors and the outputs' grads, which
+            # autograd makes (_Seeds) and frees once used, as the step's backward hands them over
+            before_bwd = live.live_bytes + sum(t.numel() * t.element_size() for t in grads)
             if grads:
-                torch.autograd.backward(grads, seeds)
-            # the backward's peak above what it starts with: saved tensors and the outputs' grads
+                torch.autograd.backward(root, seed)
+            del root
             bwd_extra = max(0, live.peak_bytes - before_bwd)
-        cost = OpaqueCost(fc.get_total_flops(), tuple(sorted(saved_inputs)), held,
+        drew_torch = not torch.equal(*torch_rng)
+        cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
                           fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes, drew_torch
+
+
+class _Seeds(torch.autograd.Function):
+    """A scalar whose backward gives each of its inputs a gradient of ones: the module's outputs get
+    their grads from autograd, which frees each once used, as they come in a step."""
+
+    @staticmethod
+    def forward(ctx, *outs):
+        ctx.specs = [(t.shape, t.dtype) for t in outs]
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.specs)
 
 
 class StandIn(torch.autograd.Function):
@@ -186,16 +203,19 @@ class StandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors
-        return (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
-                                          for s, d in ctx.shapes)
+        saved = ctx.saved_tensors      # held while the grads are made (recomputed, only this holds them)
+        out = (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
+                                         for s, d in ctx.shapes)
+        del saved
+        return out
 
 
 class _Held(torch.autograd.Function):
     """What an opaque module saves inside itself, held from its forward to its backward, where
-    the backward's measured peak is reached on top of it; released when this node's backward
-    returns, before StandIn's makes the input and parameter grads: as a real module's backward
-    ends, its saved tensors are freed and its grads made."""
+    the backward's measured peak is reached on top of it and of the outputs' grads; released when
+    this node's backward returns, before StandIn's makes the input and parameter grads: as a real
+    module's backward ends, its saved tensors and the grads it was given are freed and its grads
+    made (StandIn gets grads of the right shapes that hold one element each)."""
 
     @staticmethod
     def forward(ctx, cost: OpaqueCost, *outs):
@@ -205,10 +225,12 @@ class _Held(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.saved_tensors
+        # held through the peak: when a checkpoint region recomputed them, the unpacked tensors are
+        # the only reference left (checkpoint's storage drops each as it is unpacked)
+        saved = ctx.saved_tensors
         tmp = torch.empty(ctx.cost.bwd_extra_bytes, dtype=torch.uint8)
-        del tmp
-        return (None,) + grads
+        del tmp, saved
+        return (None,) + tuple(g.new_zeros(()).expand_as(g) if g is not None else None for g in grads)
 
 
 def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):

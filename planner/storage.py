@@ -50,26 +50,36 @@ def output_storage_bytes(func, args, kwargs, t: torch.Tensor) -> int:
 # the input's position. A later reshape then copies for real but not on fake tensors.
 # tests/test_trust.py checks each against its real kernel.
 SUGGESTED_LAYOUT = {"aten::native_batch_norm": 0, "aten::native_batch_norm_backward": 1}
+# CPU norms whose saved statistics (outputs 1 and 2) are float32 for a bfloat16/float16 input with
+# float32 parameters (autocast's mixed dtypes), where the meta kernels' follow the input: name ->
+# the positions of the parameters (a weight, a bias or running statistics; any may be None).
+MIXED_STATISTICS = {"aten::native_batch_norm": (1, 3), "aten::native_layer_norm": (2, 3),
+                    "aten::native_group_norm": (1, 2)}
+# CPU norm backwards whose input gradient (output 0) has the input's dtype, where the meta kernel's
+# is float32: name -> the input's position.
+INPUT_GRAD_DTYPE = {"aten::native_group_norm_backward": 1}
 
 
 def real_layout(func, args, out):
     """`out` as the real kernel lays it out, where the meta kernel differs: layouts
-    (SUGGESTED_LAYOUT), and CPU native_batch_norm's saved statistics, float32 (as its float32
-    parameters) for a bfloat16/float16 input under autocast, where the meta kernel's follow the input."""
+    (SUGGESTED_LAYOUT) and dtypes (MIXED_STATISTICS, INPUT_GRAD_DTYPE) of CPU kernels."""
     name = func._schema.name
-    source = SUGGESTED_LAYOUT.get(name)
-    if source is None:
+    if name not in SUGGESTED_LAYOUT and name not in MIXED_STATISTICS and name not in INPUT_GRAD_DTYPE:
         return out
     y = out[0]
     if not isinstance(y, torch.Tensor) or type(y).__name__ != "FakeTensor" or y.device.type != "cpu":
         return out
     out = tuple(out)
-    fmt = torch._prims_common.suggest_memory_format(args[source])
-    if not y.is_contiguous(memory_format=fmt):
-        out = (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + out[1:]
-    param = next((a for a in (args[1], args[3]) if isinstance(a, torch.Tensor)), None) if name == "aten::native_batch_norm" else None
-    if param is not None and param.dtype == torch.float32 and out[1].dtype != torch.float32:
+    if name in SUGGESTED_LAYOUT:
+        fmt = torch._prims_common.suggest_memory_format(args[SUGGESTED_LAYOUT[name]])
+        if not y.is_contiguous(memory_format=fmt):
+            out = (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + out[1:]
+    params = [args[i] for i in MIXED_STATISTICS.get(name, ()) if i < len(args) and isinstance(args[i], torch.Tensor)]
+    if params and params[0].dtype == torch.float32 and out[1].dtype != torch.float32:
         out = out[:1] + tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in out[1:3]) + out[3:]
+    source = INPUT_GRAD_DTYPE.get(name)
+    if source is not None and y.dtype != args[source].dtype:
+        out = (torch.empty_like(y, dtype=args[source].dtype),) + out[1:]
     return out
 
 

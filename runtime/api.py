@@ -18,10 +18,10 @@ from planner.errors import InfeasibleBudgetError, PlanMismatchError, TraceError
 from planner.fit import DEFAULT_ROUNDS, unplanned_peak_bytes
 from planner.profile import compute_nodes
 from planner.result import Plan
-from planner.simulate import base_liveness, timeline
+from planner.simulate import base_liveness
 from planner.rng import rng_preserved
 from planner.state import mode_key, state_preserved, training_modes
-from planner.trace import MEASURED_WHY, capture
+from planner.trace import capture
 
 from . import distributed
 from .measure import dry_run_peak, preserved, training_loss
@@ -36,10 +36,8 @@ class ExactReplay:
     """The `planner.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
     fake tensors (runtime.measure.replay).
 
-    Opaque modules (fake tensors cannot run them) are stood in for by their measured behaviour,
-    as in the profile (planner.opaque). An RNN's stand-in models a kernel whose workspace fake
-    tensors do not see, and a recomputed one measures above its replay: with one, the prediction
-    is the larger of the replay and the simulator.
+    Opaque modules (fake tensors cannot run them, or an RNN's kernel holds memory they do not
+    model) are stood in for by their measured behaviour, as in the profile (planner.opaque).
     """
     what = "the exact replay on fake tensors"
     eager = True
@@ -48,7 +46,6 @@ class ExactReplay:
     def __init__(self, model: torch.nn.Module, analysis, loss_fn):
         self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
-        self.kernels = any(why == MEASURED_WHY for _, why in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
 
@@ -67,8 +64,7 @@ class ExactReplay:
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
                                     keep_output=meta.get("keep_output", False),
                                     grads=meta.get("accumulation_steps", 1) > 1)
-        replayed = max(replayed + meta.get("optimizer_state_bytes", 0), base_liveness(a.cost_graph).opt)
-        return max(replayed, timeline(a.cost_graph, regions).peak_bytes) if self.kernels else replayed
+        return max(replayed + meta.get("optimizer_state_bytes", 0), base_liveness(a.cost_graph).opt)
 
 
 def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:

@@ -87,13 +87,7 @@ def test_builtin_predicted_peak_is_the_measured_peak(case, builtin, name):
     _check(b, {"unplanned": UNPLANNED, "50%": c.budget(0.5), "smallest feasible": half.plan.min_feasible_bytes})
 
 
-# The one known miss, on the safe side: the value-dependent loop's opaque stand-in holds its
-# saved output and its grads' working memory at once in backward; measured +7.4% (README).
-OVER_PREDICTED = {"dyn-loop": "opaque stand-in over-predicts the value-dependent loop by ~7% (safe side)"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=OVER_PREDICTED[n]))
-                                  if n in OVER_PREDICTED else n for n in ZOO])
+@pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_predicted_peak_is_the_measured_peak(zoo_case, name):
     _needs(name)
     c = zoo_case(name)

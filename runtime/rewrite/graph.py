@@ -14,12 +14,14 @@ import threading
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from planner.errors import UnsafePlanError
 from planner.profile import compute_nodes, draws_random
 from planner.result import Plan, Region
 from planner.state import Snapshot
+
+from .sac import selective_contexts
 
 _SAVE = threading.local()
 
@@ -144,7 +146,7 @@ class CheckpointRegion(torch.nn.Module):
         """Called by checkpoint as the region's forward starts: the buffers it will rewind to
         are snapshotted now."""
         policy = functools.partial(_policy, deterministic_ops=self._deterministic_ops)
-        fwd, rec = ((create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)) if self.saved
+        fwd, rec = (selective_contexts(policy, allow_cache_entry_mutation=True) if self.saved
                     else (contextlib.nullcontext(), contextlib.nullcontext()))
         tensors = [getattr(m, name) for m, name in self._state] + [args[i] for i in self._rewound_args]
         return _scoped(fwd), _scoped(_both(view_replay(), rewinding(tensors, rec)))
