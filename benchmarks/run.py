@@ -46,7 +46,7 @@ from planner.trace import capture  # noqa: E402
 from runtime import peak_memory  # noqa: E402
 from runtime.api import ExactReplay  # noqa: E402
 from runtime.measure import allocator_peak  # noqa: E402
-from runtime.rewrite import rewrite  # noqa: E402
+from runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -186,7 +186,7 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
 def bench_model(name: str, s: Settings) -> ModelResult:
     try:
         ex = MODELS[name]()
-        a = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model=s.opts.cost_model)
+        a = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model=s.opts.cost_model, overheads=REGION_PROBE)
     except (ImportError, RematError) as e:     # transformers missing, or the planner cannot take it
         return ModelResult(notes=[f"{name}: not benchmarked: {type(e).__name__}: {e}"])
     out = ModelResult(meter=meter_check(name, ex))

@@ -26,7 +26,8 @@ from planner.trace import MEASURED_WHY, capture
 from . import distributed
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
-from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
+from .rewrite import (REGION_PROBE, CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan,
+                      view_replay)
 
 
 log = logging.getLogger("remat.runtime")
@@ -237,7 +238,7 @@ class RematModule(torch.nn.Module):
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
         try:
-            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer)
+            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
         except TraceError as e:             # no graph at all: plan over the module tree
             if self._compile is not None:
                 raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "

@@ -3,15 +3,19 @@ model a plan is made with and says it was, the cache that makes measured plans r
 timing that leaves the model as it was. No assertion depends on how fast anything ran."""
 import copy
 import json
+import traceback
 
 import pytest
 import torch
 
 from planner import PlanOptions, SolveOptions, analyze, plan
-from planner.costs import CostModelError, OpCall, TensorSpec, cache_path, cost_model_for, measured_costs, time_ops
+from planner.costs import (CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path, cost_model_for,
+                           measured_costs, time_ops)
+from planner.rates import DeviceRates
 from planner.result import Plan
 from runtime import examples, plan_and_wrap
 from runtime.cli.main import main
+from runtime.rewrite import REGION_PROBE
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
 
@@ -63,13 +67,13 @@ def test_an_op_that_cannot_run_on_made_up_values_is_not_timed():
 
 def test_measured_costs_come_from_the_cache_the_second_time(cache_dir):
     ex = small_mlp()
-    first = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured").cost_graph
+    first = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured", overheads=REGION_PROBE).cost_graph
     costs = first.meta["costs"]
     assert first.meta["cost_model"] == "measured" and costs["timed"] == costs["signatures"] > 0
-    assert costs["untimed_nodes"] == 0
+    assert costs["untimed_nodes"] == 0 and costs["overheads"] == f"measured: {REGION_PROBE.name}"
     path = cache_path(torch.device("cpu"))
     assert path.parent == cache_dir and len(json.loads(path.read_text())["ops"]) == costs["signatures"]
-    second = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured").cost_graph
+    second = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="measured", overheads=REGION_PROBE).cost_graph
     assert second.meta["costs"]["timed"] == 0               # nothing timed again: the same plan inputs
     assert [c.cost_s for c in second.nodes] == [c.cost_s for c in first.nodes]
     assert (second.region_s, second.sac_op_s) == (first.region_s, first.sac_op_s)
@@ -77,6 +81,51 @@ def test_measured_costs_come_from_the_cache_the_second_time(cache_dir):
     assert (first.region_s, first.sac_op_s) == (cached["overheads"]["region_s"], cached["overheads"]["sac_op_s"])
     roofline = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="roofline").cost_graph
     assert "costs" not in roofline.meta and [c.flops for c in roofline.nodes] == [c.flops for c in first.nodes]
+
+
+def test_the_overheads_are_the_probes_measured_once_else_the_rates_constants(cache_dir):
+    """A probe's overheads are measured once per device and cached with its name; another probe
+    measures again; without one, DeviceRates' constants (the op timings are cached either way)."""
+    calls = [[OpCall.of(torch.ops.aten.relu.default, (torch.randn(8),), {})]]
+    runs = []
+
+    def fake(n):
+        def measure(device):
+            runs.append((n, device))
+            return Overheads(region_s=n * 1.0, saved_tensor_s=n * 2.0, sac_op_s=n * 3.0)
+        return OverheadProbe(f"fake {n}", measure)
+    one, two = fake(1), fake(2)
+    m = measured_costs(calls, torch.device("cpu"), one)
+    assert (m.region_s, m.saved_tensor_s, m.sac_op_s) == (1.0, 2.0, 3.0) and m.meta["overheads"] == "measured: fake 1"
+    assert measured_costs(calls, torch.device("cpu"), one).region_s == 1.0 and runs == [(1, "cpu")]
+    assert measured_costs(calls, torch.device("cpu"), two).sac_op_s == 6.0 and runs == [(1, "cpu"), (2, "cpu")]
+    rates = DeviceRates.for_device("cpu")
+    m = measured_costs(calls, torch.device("cpu"))
+    assert (m.region_s, m.saved_tensor_s, m.sac_op_s) == (rates.region_s, rates.saved_tensor_s, rates.sac_op_s)
+    assert m.meta["overheads"] == "DeviceRates constants" and m.meta["timed"] == 0 and len(runs) == 2
+
+
+def test_the_runtime_plans_with_its_own_regions_overheads(cache_dir):
+    ex = small_mlp()
+    w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn,
+                      options=PlanOptions(solve=FAST.solve, cost_model="measured"))
+    cached = json.loads(cache_path(torch.device("cpu")).read_text())["overheads"]
+    assert cached["probe"] == REGION_PROBE.name and w.plan.meta["costs"]["overheads"] == f"measured: {REGION_PROBE.name}"
+    assert all(cached[k] >= 0 for k in ("region_s", "saved_tensor_s", "sac_op_s"))
+
+
+def test_a_region_recompute_formats_no_traceback(monkeypatch):
+    """checkpoint stops a recompute early by raising through the region's sub-graph; calling a
+    GraphModule would format that exception's traceback (0.25 ms a region on CPU): the region
+    calls its forward."""
+    ex = small_mlp()
+    w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    assert len(w.plan.regions) >= 1
+    extracted = []
+    real = traceback.StackSummary.extract
+    monkeypatch.setattr(traceback.StackSummary, "extract", lambda *a, **k: extracted.append(1) or real(*a, **k))
+    ex.loss_fn(w(*ex.inputs)).backward()
+    assert extracted == [] and all(p.grad is not None for p in ex.model.parameters())
 
 
 def test_a_node_with_an_untimed_op_keeps_its_roofline(cache_dir):
@@ -153,13 +202,13 @@ def test_a_node_costs_its_ops_plus_the_hooks_on_what_it_saves(cache_dir):
         def forward(self, x):
             return torch.nn.functional.gelu(self.lin(x)) + x
     m, x = M(), torch.randn(4, 8)
-    first = analyze(m, (x,), cost_model="measured").cost_graph
+    probe = OverheadProbe("known", lambda device: Overheads(region_s=0.0, saved_tensor_s=1.0, sac_op_s=0.0))
+    first = analyze(m, (x,), cost_model="measured", overheads=probe).cost_graph
     path = cache_path(torch.device("cpu"))
     cache = json.loads(path.read_text())
     cache["ops"] = {k: 1e-3 for k in cache["ops"]}
-    cache["overheads"]["saved_tensor_s"] = 1.0
     path.write_text(json.dumps(cache))
-    cg = analyze(m, (x,), cost_model="measured").cost_graph
+    cg = analyze(m, (x,), cost_model="measured", overheads=probe).cost_graph
     assert cg.meta["costs"]["timed"] == 0 and [c.ops for c in cg.nodes] == [c.ops for c in first.nodes]
     saved = {c.target: round(c.cost_s - c.ops * 1e-3, 9) for c in cg.nodes[:-1]}
     assert saved == {"Linear(lin)": 1.0, "gelu": 1.0, "add": 0.0}

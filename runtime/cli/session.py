@@ -34,7 +34,7 @@ from .. import examples
 from ..api import ExactReplay
 from ..measure import peak_memory, preserved, training_loss
 from ..measure.timing import StepTiming, interleaved_times, step_timing
-from ..rewrite import CompiledReplay, rewrite_plan
+from ..rewrite import REGION_PROBE, CompiledReplay, rewrite_plan
 
 
 class UsageError(Exception):
@@ -151,7 +151,8 @@ def profile_model(loaded: Loaded, say, options: PlanOptions = PlanOptions(), opt
     say(f"tracing and profiling {loaded.label} on fake tensors ...")
     with model_code(f"cannot profile {loaded.label}"):
         try:
-            analysis = analyze_for(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, options, optimizer)
+            analysis = analyze_for(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, options, optimizer,
+                                   REGION_PROBE)
         except TraceError as e:
             raise ModelError(f"{e}. No graph, so no report here: plan_and_wrap still plans this model over "
                              "its module tree, measuring each choice with a real step") from e
