@@ -38,6 +38,7 @@ from .rates import DeviceRates
 COST_MODELS = ("auto", "measured", "roofline")
 REPEATS = 7                # timed calls per op signature, after one warm-up (the fastest is kept)
 CHUNK = 64                 # op signatures materialised at once (their inputs are real tensors)
+OVERHEADS = "region_overheads"   # the cache's key of a probe's overheads (older versions wrote "overheads")
 
 
 class CostModelError(RematError):
@@ -227,9 +228,9 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device, probe
     distinct = {c.key: c for node in calls if node for c in node}
     todo = [c for k, c in distinct.items() if k not in ops]
     ops.update({c.key: t for c, t in zip(todo, time_ops(todo, device.type))})
-    timed, measure = len(todo), probe is not None and cache.get("overheads", {}).get("probe") != probe.name
+    timed, measure = len(todo), probe is not None and cache.get(OVERHEADS, {}).get("probe") != probe.name
     if measure:
-        cache["overheads"] = {**asdict(probe.measure(device.type)), "probe": probe.name}
+        cache[OVERHEADS] = {**asdict(probe.measure(device.type)), "probe": probe.name}
     if timed or measure:
         cache["device"] = device_name(device)
         _store(path, cache)
@@ -238,7 +239,7 @@ def measured_costs(calls: list[list[OpCall] | None], device: torch.device, probe
     if probe is None:
         overheads, how = Overheads.of(rates or DeviceRates.for_device(device)), "DeviceRates constants"
     else:
-        overheads = Overheads(**{k: v for k, v in cache["overheads"].items() if k != "probe"})
+        overheads = Overheads(**{k: v for k, v in cache[OVERHEADS].items() if k != "probe"})
         how = f"measured: {probe.name}"
     meta = {"device": cache.get("device", device_name(device)), "signatures": len(distinct),
             "timed": timed, "untimed_nodes": sum(bool(node) and s is None for node, s in zip(calls, node_s)),

@@ -1,21 +1,25 @@
 """Measured costs (planner/costs.py) and the closed loop (runtime/measure/timing.py): which cost
 model a plan is made with and says it was, the cache that makes measured plans repeatable, and
 timing that leaves the model as it was. No assertion depends on how fast anything ran."""
+import collections
 import copy
+import dataclasses
 import json
 import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner import PlanOptions, SolveOptions, analyze, plan
-from planner.costs import (CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path, cost_model_for,
-                           measured_costs, time_ops)
+from planner.costs import (OVERHEADS, CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path,
+                           cost_model_for, measured_costs, time_ops)
 from planner.rates import DeviceRates
-from planner.result import Plan
+from planner.result import Plan, Region
+from planner.simulate import region_recompute
 from runtime import examples, plan_and_wrap
 from runtime.cli.main import main
-from runtime.rewrite import REGION_PROBE
+from runtime.rewrite import REGION_PROBE, rewrite
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
 
@@ -78,7 +82,7 @@ def test_measured_costs_come_from_the_cache_the_second_time(cache_dir):
     assert [c.cost_s for c in second.nodes] == [c.cost_s for c in first.nodes]
     assert (second.region_s, second.sac_op_s) == (first.region_s, first.sac_op_s)
     cached = json.loads(path.read_text())
-    assert (first.region_s, first.sac_op_s) == (cached["overheads"]["region_s"], cached["overheads"]["sac_op_s"])
+    assert (first.region_s, first.sac_op_s) == (cached[OVERHEADS]["region_s"], cached[OVERHEADS]["sac_op_s"])
     roofline = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model="roofline").cost_graph
     assert "costs" not in roofline.meta and [c.flops for c in roofline.nodes] == [c.flops for c in first.nodes]
 
@@ -109,7 +113,7 @@ def test_the_runtime_plans_with_its_own_regions_overheads(cache_dir):
     ex = small_mlp()
     w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn,
                       options=PlanOptions(solve=FAST.solve, cost_model="measured"))
-    cached = json.loads(cache_path(torch.device("cpu")).read_text())["overheads"]
+    cached = json.loads(cache_path(torch.device("cpu")).read_text())[OVERHEADS]
     assert cached["probe"] == REGION_PROBE.name and w.plan.meta["costs"]["overheads"] == f"measured: {REGION_PROBE.name}"
     assert all(cached[k] >= 0 for k in ("region_s", "saved_tensor_s", "sac_op_s"))
 
@@ -226,3 +230,41 @@ def test_timing_a_model_in_eval_mode_times_its_training_step_and_leaves_it_in_ev
 def test_the_cli_times_eager_steps_only(capsys):
     assert main(["report", "mlp", "--budget", "70%", "--time", "--compile"]) == 2
     assert "drop --compile" in capsys.readouterr().err
+
+
+def test_the_recompute_runs_the_nodes_the_cost_model_charges():
+    """checkpoint stops a recompute as the region's last saved tensor is packed again, and an op
+    packs its inputs before it computes, its outputs after: a last holder that saves only its
+    input (a Linear, a GELU) never computes, one that saves what it makes (a LayerNorm: its mean
+    and rstd) does. The forward ops that run while backward recomputes are those of the nodes
+    planner.simulate.region_recompute charges (decoded from its seconds: node j costs 2^j)."""
+    ex = small_mlp()
+    a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
+    cg = a.cost_graph
+    regions = (Region(0, 4), Region(5, 9), Region(10, 12))      # ending at a LayerNorm, a Linear, a Linear
+    gm = rewrite(ex.model, a.traced.gm, regions, tuple(c.name for c in cg.nodes))
+    coded = dataclasses.replace(cg, region_s=0.0, nodes=tuple(dataclasses.replace(c, cost_s=2.0 ** j)
+                                                              for j, c in enumerate(cg.nodes)))
+    charged = [j for r in regions for j in r_nodes(coded, r)]
+    kinds = {"Linear": "addmm", "LayerNorm": "native_layer_norm", "GELU": "gelu"}
+    expected = collections.Counter(kinds[cg.nodes[j].target.split("(")[0]] for j in charged)
+
+    class Ran(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    out = gm(**a.example_inputs)
+    with Ran() as ran:
+        ex.loss_fn(out).backward()
+    assert {k: ran.ops[k] for k in kinds.values()} == {k: expected[k] for k in kinds.values()}
+    assert 4 in charged and 9 not in charged and 12 not in charged and expected["addmm"] == 3
+
+
+def r_nodes(coded, r) -> list[int]:
+    """The nodes a region's recompute is charged for, read off its seconds (node j costs 2^j)."""
+    secs = round(region_recompute(coded, r).seconds)
+    return [j for j in range(len(coded.nodes)) if secs >> j & 1]
