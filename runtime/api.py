@@ -26,8 +26,8 @@ from planner.trace import MEASURED_WHY, capture
 from . import distributed
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
-from .rewrite import (REGION_PROBE, CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan,
-                      view_replay)
+from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, adopt, checkpointing, plan_modules, rewrite,
+                      rewrite_plan, view_replay)
 
 
 log = logging.getLogger("remat.runtime")
@@ -211,7 +211,8 @@ class RematModule(torch.nn.Module):
     def time_plan(self, *args, **kwargs) -> Plan:
         """Time a training step under the plan for inputs like these against the unplanned step,
         on these inputs (runtime.measure.timing: interleaved rounds, medians, spread); the plan,
-        with the measured and the predicted overhead in `meta["timing"]`, is returned and cached.
+        with the measured and the predicted overhead in `meta["timing"]` (and, for an eager graph,
+        each region's measured recompute), is returned and cached.
         Gradients, buffers and RNG states are as they were before."""
         plan = self.plan_for(*args, **kwargs)
         model, loss_fn = self._model[0], self._loss_fn
@@ -224,13 +225,18 @@ class RematModule(torch.nn.Module):
                 training_loss(fn(*args, **kwargs), loss_fn).backward()
             return run
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
+        gm = self._plans[self._last][1]
+        eager_graph = gm is not None and self._compile is None     # regions to time one by one
         was_training = self.training
         try:                    # a training step, in the modes planned for (planner.state.training_modes)
             self.training = True
-            with training_modes(model), preserved(model):
+            with training_modes(model), preserved(model), \
+                    RecomputeTimes(gm, device) if eager_graph else contextlib.nullcontext() as regions:
                 timing = step_timing(step(model), step(self), plan.recompute_s, plan.cost_model, device)
         finally:
             self.training = was_training
+        if regions is not None:
+            timing = replace(timing, region_recompute_s=regions.fastest())
         plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
         self._plans[self._last] = (plan,) + self._plans[self._last][1:]
         return plan
