@@ -19,7 +19,7 @@ from planner.result import Plan, Region
 from planner.simulate import region_recompute
 from runtime import examples, plan_and_wrap
 from runtime.cli.main import main
-from runtime.rewrite import REGION_PROBE, rewrite
+from runtime.rewrite import REGION_PROBE, RecomputeTimes, regions_of, rewrite
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
 
@@ -191,6 +191,26 @@ def test_the_cli_report_times_the_plan_and_names_the_cost_model(capsys, cache_di
     assert "(measured costs)" in out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("time ")]
     assert "unplanned" in line and "predicted" in line and "measured" in line
+    (header,) = [ln for ln in out.splitlines() if ln.startswith("#  ")]
+    assert "est ms  meas ms" in header and "meas ms: its recompute in backward" in out
+
+
+def test_recompute_times_records_each_regions_recompute_only_while_on():
+    ex = small_mlp()
+    a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
+    regions = (Region(0, 4), Region(5, 9))
+    gm = rewrite(ex.model, a.traced.gm, regions, tuple(c.name for c in a.cost_graph.nodes))
+    ref = copy.deepcopy(ex.model)
+    with RecomputeTimes(gm) as times:
+        for _ in range(3):
+            ex.loss_fn(gm(**a.example_inputs)).backward()
+    assert [len(c.seconds()) for c in times.clocks] == [3, 3]          # one recompute per region and step
+    assert all(t > 0 for t in times.fastest())
+    assert all(r.clock is None for r in regions_of(gm))
+    for _ in range(3):
+        ex.loss_fn(ref(*ex.inputs)).backward()
+    for p, q in zip(ref.parameters(), ex.model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)     # timing changes nothing
 
 
 def test_a_node_costs_its_ops_plus_the_hooks_on_what_it_saves(cache_dir):
