@@ -39,15 +39,22 @@ class Compiled:
     same: bool          # loss and grads as close to the float64 eager step as float32 eager's
 
 
-def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
-    torch._dynamo.reset()             # else Dynamo reuses the graph compiled at another fraction
+def compiled_at(ex, fraction: float) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, float]:
+    """A fresh copy of the model, it compiled at `fraction` (its first step, which compiles, run),
+    that step's loss and its seconds. The caller resets Dynamo when the model's forward may have
+    been compiled at another fraction already."""
     model = copy.deepcopy(ex.model)
     compiled = torch.compile(model)
     t0 = time.perf_counter()
     with functorch_config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
             inductor_config.patch(fallback_random=True, fx_graph_cache=False):
         loss = step(compiled, ex)
-    compile_s = time.perf_counter() - t0
+    return model, compiled, loss, time.perf_counter() - t0
+
+
+def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
+    torch._dynamo.reset()             # else Dynamo reuses the graph compiled at another fraction
+    model, compiled, loss, compile_s = compiled_at(ex, fraction)
     same = as_close_as_eager(model, loss, ref)
     model.zero_grad(set_to_none=True)
     peak = allocator_peak(lambda: step(compiled, ex), model, *ex.inputs)
