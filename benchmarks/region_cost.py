@@ -5,8 +5,9 @@
 A chain of 32 Linear+Tanh blocks (64 nodes) is rewritten with no region, one region over every
 node, 8 regions and 32 regions (the same nodes recomputed in each), and the steps are timed in
 interleaved rounds (the fastest of each); the prediction is planner.simulate.timeline's under
-measured costs (planner/costs.py). Every plan recomputes the same nodes, so what grows with the
-number of regions is each region's own cost.
+measured costs (planner/costs.py), the region overheads measured through the runtime's own
+regions (runtime.rewrite.overhead.REGION_PROBE). Every plan recomputes the same nodes, so what
+grows with the number of regions is each region's own cost.
 """
 from __future__ import annotations
 
