@@ -87,6 +87,31 @@ def test_no_regions_when_budget_covers_unplanned_peak():
     assert p.predicted_peak_bytes == math.ceil(timeline(cg, ()).peak_bytes * (1 + PlanOptions().safety_margin))
 
 
+class _Compiled:
+    """A Measure of compiled steps (eager=False): every plan measures `peak_bytes`."""
+    what, eager, rounds = "a compiled step", False, 6
+
+    def __init__(self, peak_bytes: int):
+        self.peak_bytes, self.asked = peak_bytes, []
+
+    def __call__(self, regions):
+        self.asked.append(tuple(regions))
+        return self.peak_bytes
+
+
+def test_compiled_no_regions_when_the_compiled_unplanned_step_fits():
+    """Compiled code can save less than the eager step the simulator models: where the measured
+    unplanned compiled step fits, the plan has no regions (torch.compile's own default)."""
+    cg = chain(3, [4, 2, 1], [10, 10, 10])
+    budget = timeline(cg, ()).peak_bytes - 2 * MB           # the eager step does not fit
+    p = solve_plan(cg, budget, measure=_Compiled(budget - MB))
+    assert p.regions == () and p.solver == "none" and p.predicted_peak_bytes == budget - MB
+    over = _Compiled(budget + MB)                            # it does not fit compiled either: plans are tried
+    with pytest.raises(InfeasibleBudgetError):
+        solve_plan(cg, budget, measure=over)
+    assert len(over.asked) > 1 and over.asked[0] == ()
+
+
 def test_plan_never_predicted_over_budget():
     cg = chain(6, [5, 3, 5, 3, 5, 3], [1, 2, 3, 4, 5, 6])
     unplanned = timeline(cg, ()).peak_bytes
