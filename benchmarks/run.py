@@ -275,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--costs", choices=("measured", "roofline"), default="measured",
                     help="our plans' cost model (default measured: each op timed on this machine)")
+    ap.add_argument("--out", help="results file stem under benchmarks/results (default <date>-<host>[-quick][-eager])")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     if set(models) - set(MODELS):
         ap.error(f"unknown models {sorted(set(models) - set(MODELS))}; known: {', '.join(MODELS)}")
     results = {m: bench_model(m, s) for m in models}
-    stem = report.stem(a.quick) + ("" if s.compile else "-eager")
+    stem = a.out or report.stem(a.quick) + ("" if s.compile else "-eager")
     pngs, plot_notes = plots(results, stem)
     rows = [r for res in results.values() for r in res.rows]
     notes = [n for res in results.values() for n in res.notes] + plot_notes + ([dropout_note()] if s.compile else [])
