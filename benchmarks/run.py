@@ -1,7 +1,7 @@
 """Side-by-side: our plan vs what users do instead, same model, input and budget, one process.
 
     python benchmarks/run.py [--models gpt2,resnet] [--budgets 0.3,0.5,0.7] [--quick] [--repeats 7]
-                             [--eager] [--costs measured|roofline]
+                             [--eager] [--costs measured|roofline] [--threads 1] [--clock wall|cpu] [--out STEM]
 
 Budgets are fractions of the way from the smallest feasible peak to the unplanned peak. Per
 model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, for
@@ -14,7 +14,10 @@ strategy's step over no checkpointing's; the table gives the median and the rang
 made with measured costs (each op timed on this machine, planner/costs.py; `--costs roofline`
 for nominal rates), and per model and budget the notes say whether ours is the fastest strategy
 that fits beyond the spread, and whether predicted and measured overheads rank the strategies
-alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out.
+alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out. `--clock cpu` (with
+`--threads 1`) times each step by the calling thread's CPU time instead of the wall clock: on CPU
+with one torch thread every kernel runs in that thread, and the time other jobs of a shared
+machine take the core away is not in it.
 Graphs of at most 90 nodes are also solved exactly, for our optimality gap. Writes
 benchmarks/results/<date>-<host>.md (a --quick run: <date>-<host>-quick.md) and a Pareto plot
 per model beside it. Timings never gate tests.
@@ -67,6 +70,7 @@ class Settings:
     repeats: int
     grid: tuple[float, ...]
     compile: bool = True        # also the compiled strategies (torch.compile's knob, ours compiled)
+    clock: str = "wall"         # step times: wall time, or the thread's CPU time (benchmarks.measure.CLOCKS)
 
 
 def budgets(cg, fractions, opts: PlanOptions) -> list[tuple[float, int]]:
@@ -164,7 +168,7 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
         knobs[knob_label(knob)] = compiled_at(ex, knob.fraction)[1]
     graphs = graphs_now()
     secs = step_ratios({label: gm for label, (gm, _, _) in runs.items()}
-                       | {label: c.module for label, c in compiled.items()} | knobs, ex, s.repeats)
+                       | {label: c.module for label, c in compiled.items()} | knobs, ex, s.repeats, clock=s.clock)
     rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label].median, low=secs[label].low,
                  high=secs[label].high,
                  predicted_s=timeline(cg, strategies[label][0]).recompute_s if label in strategies else None,
@@ -199,7 +203,7 @@ def bench_model(name: str, s: Settings) -> ModelResult:
         return ModelResult(notes=[f"{name}: not benchmarked: {type(e).__name__}: {e}"])
     out = ModelResult(meter=meter_check(name, ex))
     ref = reference(ex)
-    search = CompileSearch(ex, ref, s.repeats, s.grid)
+    search = CompileSearch(ex, ref, s.repeats, s.grid, s.clock)
     for f, budget in budgets(a.cost_graph, s.fractions, s.opts):
         rows, ours, notes = budget_rows(ex, a, budget, s, ref, search)
         out.rows += [dict(model=name, fraction=f, budget=budget) | r for r in rows]
@@ -258,10 +262,11 @@ def settings(a) -> tuple[list[str], Settings]:
         return (a.models or "gpt2,resnet").split(","), Settings(
             tuple(float(x) for x in (a.budgets or "0.5").split(",")),
             PlanOptions(solve=SolveOptions(time_limit_s=4.0), cost_model=a.costs), a.repeats or 3, QUICK_GRID,
-            not a.eager)
+            not a.eager, a.clock)
     return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,gpt-512,hf-gpt2").split(","), Settings(
         tuple(float(x) for x in (a.budgets or "0.3,0.5,0.7").split(",")),
-        PlanOptions(solve=SolveOptions(time_limit_s=10.0), cost_model=a.costs), a.repeats or 7, GRID, not a.eager)
+        PlanOptions(solve=SolveOptions(time_limit_s=10.0), cost_model=a.costs), a.repeats or 7, GRID, not a.eager,
+        a.clock)
 
 
 def main(argv=None) -> int:
@@ -275,8 +280,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--costs", choices=("measured", "roofline"), default="measured",
                     help="our plans' cost model (default measured: each op timed on this machine)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step times: wall time (default), or the calling thread's CPU time, which a shared "
+                         "machine's other jobs do not inflate (CPU with --threads 1 only: then every kernel runs "
+                         "in that thread)")
     ap.add_argument("--out", help="results file stem under benchmarks/results (default <date>-<host>[-quick][-eager])")
     a = ap.parse_args(argv)
+    if a.clock == "cpu" and a.threads != 1:
+        ap.error("--clock cpu times the calling thread: pass --threads 1 (other threads' work would be missed)")
     if a.threads:
         torch.set_num_threads(a.threads)
     models, s = settings(a)

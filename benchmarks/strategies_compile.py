@@ -52,14 +52,14 @@ def compiled_at(ex, fraction: float) -> tuple[torch.nn.Module, torch.nn.Module, 
     return model, compiled, loss, time.perf_counter() - t0
 
 
-def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
+def compile_at(ex, fraction: float, ref, repeats: int, clock: str = "wall") -> Compiled:
     torch._dynamo.reset()             # else Dynamo reuses the graph compiled at another fraction
     model, compiled, loss, compile_s = compiled_at(ex, fraction)
     same = as_close_as_eager(model, loss, ref)
     model.zero_grad(set_to_none=True)
     peak = allocator_peak(lambda: step(compiled, ex), model, *ex.inputs)
     model.zero_grad(set_to_none=True)
-    secs = median_step_s({"compiled": compiled, "eager": copy.deepcopy(ex.model)}, ex, repeats)
+    secs = median_step_s({"compiled": compiled, "eager": copy.deepcopy(ex.model)}, ex, repeats, clock)
     ratio = secs["compiled"] / secs["eager"]
     return Compiled(fraction, peak, ratio, compile_s, same)
 
@@ -67,8 +67,8 @@ def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
 class CompileSearch:
     """The compile strategy for one model: compiles lazily, once per fraction."""
 
-    def __init__(self, ex, ref, repeats: int, grid=GRID):
-        self.ex, self.ref, self.repeats, self.grid = ex, ref, repeats, grid
+    def __init__(self, ex, ref, repeats: int, grid=GRID, clock: str = "wall"):
+        self.ex, self.ref, self.repeats, self.grid, self.clock = ex, ref, repeats, grid, clock
         self.runs: dict[float, Compiled] = {}
         self.error: str | None = None    # why compiling failed on this machine
 
@@ -90,7 +90,7 @@ class CompileSearch:
     def _run(self, fraction: float) -> Compiled | None:
         if fraction not in self.runs and self.error is None:
             try:
-                self.runs[fraction] = compile_at(self.ex, fraction, self.ref, self.repeats)
+                self.runs[fraction] = compile_at(self.ex, fraction, self.ref, self.repeats, self.clock)
             except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
                 self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         return self.runs.get(fraction)
