@@ -589,8 +589,9 @@ class HierarchicalSolver:
                 if len(jobs) < most:
                     jobs.append(fam.lower(p))
             near = {j for j, (_, _, p) in enumerate(fam.front) if p in picked}
-            gaps += [(area, -len(gaps), j, fam) for area, j in fam.gaps() if j in near or j + 1 in near]
-        for _, _, j, fam in sorted(gaps, key=lambda g: g[:2], reverse=True)[:most - len(jobs)]:
+            gaps += [(area, j, fam) for area, j in fam.gaps() if j in near or j + 1 in near]
+        # the widest first (a stable sort: ties in the families' and gaps' order)
+        for _, j, fam in sorted(gaps, key=lambda g: g[0], reverse=True)[:most - len(jobs)]:
             jobs.append(fam.split(j))
         if not jobs:
             return 0

@@ -38,18 +38,21 @@ def autocast_weight_cast(func, args, kwargs) -> bool:
             and (kwargs or {}).get("dtype") in _LOWER)
 
 
-class _Saving(_CachingTorchDispatchMode):
+class _CastsOutside:
+    """Autocast's weight casts run as they come, outside the positions SAC matches."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if autocast_weight_cast(func, args, kwargs):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Replaying(_CachedTorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if autocast_weight_cast(func, args, kwargs):
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+class _Saving(_CastsOutside, _CachingTorchDispatchMode):
+    pass
+
+
+class _Replaying(_CastsOutside, _CachedTorchDispatchMode):
+    pass
 
 
 def selective_contexts(policy, allow_cache_entry_mutation: bool = False):
