@@ -1,4 +1,5 @@
 import copy
+import functools
 import random
 
 import pytest
@@ -15,15 +16,21 @@ FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
 
 
 class Case:
-    """One example model, analysed once: its unplanned and smallest feasible peaks."""
+    """One example model, analysed once: its unplanned and smallest feasible peaks (each solved
+    when first asked for: tests that only need the analysis never pay for the solves)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, **kwargs):
         self.name = name
-        self.example = examples.EXAMPLES[name]()
+        self.example = examples.EXAMPLES[name](**kwargs)
         self.analysis = analyze(self.example.model, self.example.inputs, None, self.example.loss_fn)
-        cg = self.analysis.cost_graph
-        self.unplanned = solve_plan(cg, 10**15, FAST).predicted_peak_bytes
-        self.min_feasible = solve_plan(cg, self.unplanned - 1, FAST).min_feasible_bytes
+
+    @functools.cached_property
+    def unplanned(self) -> int:
+        return solve_plan(self.analysis.cost_graph, 10**15, FAST).predicted_peak_bytes
+
+    @functools.cached_property
+    def min_feasible(self) -> int:
+        return solve_plan(self.analysis.cost_graph, self.unplanned - 1, FAST).min_feasible_bytes
 
     def budget(self, fraction: float) -> int:
         return int(self.min_feasible + fraction * (self.unplanned - self.min_feasible))
@@ -33,15 +40,17 @@ class Case:
         return copy.deepcopy(self.example.model), copy.deepcopy(self.example.model)
 
 
-_CASES: dict[str, Case] = {}
+_CASES: dict[tuple, Case] = {}
 
 
 @pytest.fixture(scope="session")
 def case():
-    def get(name: str) -> Case:
-        if name not in _CASES:
-            _CASES[name] = Case(name)
-        return _CASES[name]
+    """name (and the factory's keyword arguments, for a variant) -> its Case, made once a session."""
+    def get(name: str, **kwargs) -> Case:
+        key = (name, tuple(sorted(kwargs.items())))
+        if key not in _CASES:
+            _CASES[key] = Case(name, **kwargs)
+        return _CASES[key]
     return get
 
 
@@ -187,6 +196,20 @@ def zoo_case():
         if name not in _ZOO:
             _ZOO[name] = Planned(name, ZOO[name]())
         return _ZOO[name]
+    return get
+
+
+_BUILTIN: dict[str, Planned] = {}
+
+
+@pytest.fixture(scope="session")
+def builtin(case):
+    """runtime.examples models (the `case` fixture's, the default sizes), each planned once per budget
+    for the whole session (test_wrap, test_accuracy)."""
+    def get(name: str) -> Planned:
+        if name not in _BUILTIN:
+            _BUILTIN[name] = Planned(name, case(name).example)
+        return _BUILTIN[name]
     return get
 
 

@@ -1,20 +1,24 @@
 """Two gloo ranks on CPU train a small model wrapped by remat under FSDP2 or DDP; one process
 trains the plain model on the global batch as the oracle. Run by tests/test_distributed.py:
 
-    python tests/distributed_worker.py CONFIG PORT OUT.json
+    python tests/distributed_worker.py CONFIG[,CONFIG...] PORT OUT.json
 
-CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
+Every CONFIG runs in turn in one pair of ranks (one process group: a launch costs more than a
+configuration's steps), each on a fresh model and optimizer. CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
 no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
-FSDP2 without remat) or "infeasible" (FSDP2 and a budget no plan fits). Writes per rank: the plan's budget, prediction and regions, the
-measured peak of the third step (allocator events; DDP adds its reducer's buckets, allocated
-before the step), whether units were resharded after forward; and the largest gradient and
-parameter differences from the oracle.
+FSDP2 without remat) or "infeasible" (FSDP2 and a budget no plan fits). Writes, per CONFIG, per rank: the plan's budget, prediction and
+regions, the measured peak of the third step (allocator events; DDP adds its reducer's buckets,
+allocated before the step), whether units were resharded after forward; and the largest gradient
+and parameter differences from the oracle. OUT.json maps each CONFIG to {"ranks": [...], "diff":
+{...}}, or to {"error": the traceback} for a configuration that raised on a rank (the job stops
+there: the later configurations are missing); the exit status is 0 when every one ran.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -92,16 +96,33 @@ def shard(m: Tiny, config: str) -> nn.Module:
     return fully_shard(m, **kw)
 
 
-def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
+def _write(out_dir: str, config: str, rank: int, result: dict) -> None:
+    with open(os.path.join(out_dir, f"{config}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    for config in configs:
+        try:
+            result = run_config(rank, config, out_dir)
+        except BaseException:
+            _write(out_dir, config, rank, {"error": traceback.format_exc()})
+            raise                       # mp.spawn ends the other rank: none waits in a collective
+        _write(out_dir, config, rank, result)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_config(rank: int, config: str, out_dir: str) -> dict:
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     local = batch().chunk(WORLD)[rank]
     if config == "infeasible":
-        return _infeasible(rank, m, local, out_dir)
+        return _infeasible(m, local)
     if config == "fsdp-bf16":
-        return _mixed(rank, m, local, out_dir)
+        return _mixed(m, local)
     w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn, optimizer=opt)
     resharded = []
 
@@ -124,29 +145,23 @@ def rank_main(rank: int, config: str, port: int, out_dir: str) -> None:
     grads = {n.removeprefix("module."): _full(p.grad) for n, p in m.named_parameters()}
     params = {n.removeprefix("module."): _full(p.detach()) for n, p in m.named_parameters()}
     if rank == 0:
-        torch.save((grads, params), os.path.join(out_dir, "rank0.pt"))
-    result = {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
-              "regions": len(w.plan.regions), "unplanned": w.plan.unplanned_peak_bytes,
-              "resharded_after_forward": all(resharded[1:])}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+        torch.save((grads, params), os.path.join(out_dir, f"{config}-rank0.pt"))
+    return {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.plan.regions), "unplanned": w.plan.unplanned_peak_bytes,
+            "resharded_after_forward": all(resharded[1:])}
 
 
-def _infeasible(rank: int, m, local, out_dir: str) -> None:
+def _infeasible(m, local) -> dict:
     """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
     from planner.errors import InfeasibleBudgetError
     try:
         plan_and_wrap(m, "1MB", example_inputs=(local,), loss_fn=loss_fn)
-        result = {"raised": None}
+        return {"raised": None}
     except InfeasibleBudgetError as e:
-        result = {"raised": type(e).__name__, "min_feasible": e.min_feasible_bytes, "unit": e.unit}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+        return {"raised": type(e).__name__, "min_feasible": e.min_feasible_bytes, "unit": e.unit}
 
 
-def _mixed(rank: int, m, local, out_dir: str) -> None:
+def _mixed(m, local) -> dict:
     """bf16 parameters under FSDP2's MixedPrecisionPolicy: the oracle is FSDP2 without remat (one
     process in fp32 computes otherwise); three steps, the third measured."""
     w = plan_and_wrap(m, BUDGET, example_inputs=(local,), loss_fn=loss_fn)
@@ -161,11 +176,8 @@ def _mixed(rank: int, m, local, out_dir: str) -> None:
         else:
             peak = allocator_peak(lambda: loss_fn(w(local)).backward(), [_local(p) for p in m.parameters()], local)
     diff = max((_full(p.grad) - _full(q.grad)).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
-    result = {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
-              "regions": len(w.plan.regions), "grad_diff_vs_fsdp": diff}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.plan.regions), "grad_diff_vs_fsdp": diff}
 
 
 def oracle(config: str):
@@ -182,23 +194,38 @@ def oracle(config: str):
     return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
 
 
-def main(config: str, port: int, out: str) -> None:
-    out_dir = os.path.dirname(os.path.abspath(out))
-    mp.spawn(rank_main, args=(config, port, out_dir), nprocs=WORLD)
+def _collect(config: str, out_dir: str) -> dict | None:
+    """The configuration's result: its ranks' (and the oracle's differences), an error, or None (not run)."""
+    paths = [os.path.join(out_dir, f"{config}-rank{r}.json") for r in range(WORLD)]
+    ranks = [json.load(open(p)) for p in paths if os.path.exists(p)]
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return {"error": "\n".join(errors)}
+    if len(ranks) < WORLD:
+        return None
     if config in ("infeasible", "fsdp-bf16"):
-        ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
-        with open(out, "w") as f:
-            json.dump({"ranks": ranks}, f)
-        return
-    grads, params = torch.load(os.path.join(out_dir, "rank0.pt"))
+        return {"ranks": ranks}
+    grads, params = torch.load(os.path.join(out_dir, f"{config}-rank0.pt"))
     want_g, want_p = oracle(config)
-    ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
     diff = {"grad": max((grads[n] - g).abs().max().item() for n, g in want_g.items()),
             "param": max((params[n] - p).abs().max().item() for n, p in want_p.items()),
             "grad_scale": max(g.abs().max().item() for g in want_g.values())}
+    return {"ranks": ranks, "diff": diff}
+
+
+def main(configs: list[str], port: int, out: str) -> int:
+    out_dir = os.path.dirname(os.path.abspath(out))
+    status = 0
+    try:
+        mp.spawn(rank_main, args=(configs, port, out_dir), nprocs=WORLD)
+    except Exception:                   # a rank raised: what ran is still reported
+        traceback.print_exc()
+        status = 1
+    results = {c: r for c in configs if (r := _collect(c, out_dir)) is not None}
     with open(out, "w") as f:
-        json.dump({"ranks": ranks, "diff": diff}, f)
+        json.dump(results, f)
+    return status
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    sys.exit(main(sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]))

@@ -39,18 +39,6 @@ HF = [n for n in ZOO if n.startswith("hf-")]
 WITH_BLOCKS = [n for n in ZOO if n not in ("lstm-lm", "dyn-loop", "early-exit")]
 TOLERANCE = 1.05
 
-_BUILTIN: dict[str, Planned] = {}
-
-
-@pytest.fixture(scope="module")
-def builtin(case):
-    def get(name: str) -> Planned:
-        if name not in _BUILTIN:
-            _BUILTIN[name] = Planned(name, case(name).example)
-        return _BUILTIN[name]
-    return get
-
-
 def _needs(name: str):
     if name.startswith("hf-") and not HAS_HF:
         pytest.skip("transformers is not installed (pip install -e '.[hf]')")

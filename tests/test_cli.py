@@ -5,6 +5,7 @@ import re
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -179,10 +180,62 @@ def test_sweep_without_matplotlib(bad_runs):
     assert "pip install matplotlib (or remat[plot])" in r.stderr and "--no-plot" in r.stderr
 
 
+# ------------------------------------------------------------------ the slow lane's commands
+# test -> {name: argv}: {models} is the factories' file, {tmp} a folder of the fixture's
+SLOW_RUNS = {
+    "test_report_builtin_table": {"table": ["report", "--budget", "40%", *FAST]},
+    "test_report_json_kwargs_factory": {"kwargs": ["report", "{models}:make_kwargs", "--budget", "70%", "--json", *FAST]},
+    "test_check_fits_and_measures": {"measure": ["check", "{models}:make", "--budget", "80%", "--measure", *FAST]},
+    "test_check_compiled_measures_the_compiled_step": {
+        "compiled check": ["check", "{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST],
+        "compiled report": ["report", "{models}:make", "--budget", "60%", "--compile", "--json", *FAST]},
+    "test_check_too_small": {"too small": ["check", "{models}:make", "--budget", "1%", *FAST],
+                             "too small json": ["check", "{models}:make", "--budget", "1%", "--json", *FAST]},
+    "test_check_overhead_cap": {"cap": ["check", "{models}:make", "--budget", "70%", "--max-overhead", "1%", "--json",
+                                        *FAST]},
+    "test_sweep_json_plots_measured": {"sweep json": ["sweep", "{models}:make", "--budgets", "60%..100%", "--steps", "2",
+                                                      "--measure", "--out", "{tmp}/plots", "--json", *FAST]},
+    "test_sweep_table": {"sweep table": ["sweep", "{models}:make", "--budgets", "0.5MB..3MB", "--steps", "2", "--no-plot",
+                                         *FAST]},
+    "test_report_names_the_graph_path_for_zoo_models": {
+        "lstm": ["report", "benchmarks/zoo_models.py:lstm_lm", "--budget", "95%", *FAST],
+        "early exit": ["report", "benchmarks/zoo_models.py:early_exit", "--budget", "95%", *FAST]},
+    "test_report_plans_a_hugging_face_config_on_meta_with_its_optimizer": {
+        "hf config": ["report", "--hf-config", "{tmp}/config.json", "--batch", "2", "--seq", "256", "--dtype", "bf16",
+                      "--optimizer", "adamw", "--accumulation", "2", "--target-device", "cuda", "--budget", "85%",
+                      *FAST],
+        "hf lion": ["report", "--hf-config", "{tmp}/config.json", "--optimizer", "lion", "--budget", "60%", *FAST]},
+}
+
+
+@pytest.fixture(scope="module")
+def slow_runs(request, models, tmp_path_factory):
+    """name -> a future of its CompletedProcess: the commands of this module's selected slow tests,
+    two at a time in the background from the first one's start (each pays for importing torch;
+    the tests read each result as before)."""
+    tmp = tmp_path_factory.mktemp("slow_runs")
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    runs = {name: [str(a).format(models=models, tmp=tmp) for a in argv]
+            for test, cmds in SLOW_RUNS.items() if test in selected for name, argv in cmds.items()}
+    if any(name.startswith("hf ") for name in runs):
+        try:
+            import transformers
+        except ImportError:                  # the test skips itself
+            runs = {name: argv for name, argv in runs.items() if not name.startswith("hf ")}
+    if any(name.startswith("hf ") for name in runs):
+        transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=512).to_json_file(tmp / "config.json")
+    pool = ThreadPoolExecutor(2)
+    futures = {name: pool.submit(remat, *argv) for name, argv in runs.items()}
+    futures["tmp"] = tmp
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
 # ------------------------------------------------------------------ report
 @pytest.mark.slow
-def test_report_builtin_table():
-    r = remat("report", "--budget", "40%", *FAST)
+def test_report_builtin_table(slow_runs):
+    r = slow_runs["table"].result()
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "built-in gpt2" in out and "40% of the unplanned peak" in out
@@ -195,8 +248,8 @@ def test_report_builtin_table():
 
 
 @pytest.mark.slow
-def test_report_json_kwargs_factory(models):
-    r = remat("report", f"{models}:make_kwargs", "--budget", "70%", "--json", *FAST)
+def test_report_json_kwargs_factory(slow_runs):
+    r = slow_runs["kwargs"].result()
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""                            # --json is quiet
     d = json.loads(r.stdout)
@@ -210,33 +263,31 @@ def test_report_json_kwargs_factory(models):
 
 # ------------------------------------------------------------------ check
 @pytest.mark.slow
-def test_check_fits_and_measures(models):
-    r = remat("check", f"{models}:make", "--budget", "80%", "--measure", *FAST)
+def test_check_fits_and_measures(slow_runs):
+    r = slow_runs["measure"].result()
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("OK: predicted peak") and "measured peak" in r.stdout
     assert len(r.stdout.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
-def test_check_compiled_measures_the_compiled_step(models):
+def test_check_compiled_measures_the_compiled_step(slow_runs):
     """--compile: plain regions planned against the compiled step's measured peak, which is
     measured again afresh (--measure) and is within the budget."""
-    r = remat("check", f"{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST)
+    r = slow_runs["compiled check"].result()
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(r.stdout)
     assert d["fits"] and d["measured_peak_bytes"] <= d["budget_bytes"]
     assert d["predicted_peak_bytes"] <= d["budget_bytes"]
-    rep = remat("report", f"{models}:make", "--budget", "60%", "--compile", "--json", *FAST)
+    rep = slow_runs["compiled report"].result()
     plan = json.loads(rep.stdout)["plan"]
     assert plan["regions"] and not any(reg["saved"] for reg in plan["regions"])
     assert any("compiled step" in n for n in plan["notes"])
 
 
 @pytest.mark.slow
-def test_check_too_small(models):
-    text, js = start("check", f"{models}:make", "--budget", "1%", *FAST), \
-        start("check", f"{models}:make", "--budget", "1%", "--json", *FAST)
-    text, js = finish(text), finish(js)
+def test_check_too_small(slow_runs):
+    text, js = slow_runs["too small"].result(), slow_runs["too small json"].result()
     assert text.returncode == 1 and js.returncode == 1
     assert text.stdout.startswith("FAIL: ") and "smallest feasible peak" in text.stdout
     assert len(text.stdout.strip().splitlines()) == 1
@@ -246,8 +297,8 @@ def test_check_too_small(models):
 
 
 @pytest.mark.slow
-def test_check_overhead_cap(models):
-    r = remat("check", f"{models}:make", "--budget", "70%", "--max-overhead", "1%", "--json", *FAST)
+def test_check_overhead_cap(slow_runs):
+    r = slow_runs["cap"].result()
     assert r.returncode == 1
     d = json.loads(r.stdout)
     assert d["fits"] is False and "cap 1%" in d["reason"] and d["extra_compute_pct"] > 1
@@ -255,10 +306,9 @@ def test_check_overhead_cap(models):
 
 # ------------------------------------------------------------------ sweep
 @pytest.mark.slow
-def test_sweep_json_plots_measured(models, tmp_path):
-    out = tmp_path / "plots"
-    r = remat("sweep", f"{models}:make", "--budgets", "60%..100%", "--steps", "2", "--measure",
-              "--out", out, "--json", *FAST)
+def test_sweep_json_plots_measured(slow_runs):
+    out = slow_runs["tmp"] / "plots"
+    r = slow_runs["sweep json"].result()
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     planned, unplanned = d["points"]
@@ -275,8 +325,8 @@ def test_sweep_json_plots_measured(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_table(models, tmp_path):
-    r = remat("sweep", f"{models}:make", "--budgets", "0.5MB..3MB", "--steps", "2", "--no-plot", *FAST)
+def test_sweep_table(slow_runs):
+    r = slow_runs["sweep table"].result()
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "predicted peak" in lines[1] and "extra compute" in lines[1]
@@ -310,30 +360,28 @@ def test_assert_fits_tight_and_tiny_budgets():
 
 
 @pytest.mark.slow
-def test_report_names_the_graph_path_for_zoo_models():
-    r = remat("report", "benchmarks/zoo_models.py:lstm_lm", "--budget", "95%", *FAST)
+def test_report_names_the_graph_path_for_zoo_models(slow_runs):
+    r = slow_runs["lstm"].result()
     assert r.returncode == 0, r.stderr
     assert re.search(r"^graph +fx with opaque leaves", r.stdout, re.M)
     assert re.search(r"^  lstm: its kernel's memory is not what fake tensors model", r.stdout, re.M)
-    r = remat("report", "benchmarks/zoo_models.py:early_exit", "--budget", "95%", *FAST)
+    r = slow_runs["early exit"].result()
     assert r.returncode == 2 and "GuardOnDataDependentSymNode" in r.stderr and "module tree" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.hf
-def test_report_plans_a_hugging_face_config_on_meta_with_its_optimizer(tmp_path):
+def test_report_plans_a_hugging_face_config_on_meta_with_its_optimizer(slow_runs):
     """`--hf-config`: a causal LM from a local config.json, on meta (no weights, no hub), bf16,
-    the whole step with AdamW and gradient accumulation, for a CUDA target."""
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512).to_json_file(tmp_path / "config.json")
-    r = remat("report", "--hf-config", tmp_path / "config.json", "--batch", "2", "--seq", "256", "--dtype", "bf16",
-              "--optimizer", "adamw", "--accumulation", "2", "--target-device", "cuda", "--budget", "85%", *FAST)
+    the whole step with AdamW and gradient accumulation, for a CUDA target (slow_runs writes the
+    LlamaConfig: hidden 128, 344 intermediate, 2 layers, 4 heads, 2 KV heads, vocab 512)."""
+    pytest.importorskip("transformers")
+    r = slow_runs["hf config"].result()
     assert r.returncode == 0, r.stderr
     assert "LlamaForCausalLM from" in r.stdout and "on meta" in r.stdout
     assert re.search(r"held by the (forward|backward|optimizer step)", r.stdout)
     assert "AdamW (foreach).step()" in r.stdout           # torch's default on the CUDA target
     assert "2-step gradient accumulation" in r.stdout
-    bad = remat("report", "--hf-config", tmp_path / "config.json", "--optimizer", "lion", "--budget", "60%", *FAST)
+    bad = slow_runs["hf lion"].result()
     assert bad.returncode == 2 and "--optimizer 'lion'" in bad.stderr

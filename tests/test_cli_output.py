@@ -55,33 +55,53 @@ def no_numpy(tmp_path_factory) -> Path:
     return folder
 
 
-def run(*argv, path=(), code: str | None = None) -> subprocess.CompletedProcess:
+def start(*argv, path=(), code: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "PYTHONWARNINGS")}
     env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] + [str(ROOT)])
     cmd = [sys.executable] + (["-c", code] if code is not None else ["-m", "runtime"]) + [str(a) for a in argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_no_numpy_warning_from_the_cli_module(no_numpy):
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(*argv, path=(), code: str | None = None) -> subprocess.CompletedProcess:
+    return finish(start(*argv, path=path, code=code))
+
+
+@pytest.fixture(scope="module")
+def quick_runs(no_numpy, factories):
+    """The quick lane's commands, run at once (each pays for importing torch), each as its test ran it."""
+    procs = {"bare torch": start(path=[no_numpy], code="import torch"),
+             "main only": start(ROOT / "runtime", "report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy],
+                                code=_MAIN_ONLY),
+             "remat": start("report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy]),
+             "wrong width": start("report", f"{factories}:wrong_width", "--budget", "1GB", "--quiet")}
+    return {name: finish(p) for name, p in procs.items()}
+
+
+def test_no_numpy_warning_from_the_cli_module(quick_runs):
     """Without numpy, `import torch` warns 'Failed to initialize NumPy'; main.py filters it before
     its imports bring torch in."""
-    bare = run(path=[no_numpy], code="import torch")
+    bare = quick_runs["bare torch"]
     assert "Failed to initialize NumPy" in bare.stderr, "the fake missing numpy no longer reproduces the warning"
-    r = run(ROOT / "runtime", "report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy], code=_MAIN_ONLY)
+    r = quick_runs["main only"]
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("model          built-in mlp")
     assert r.stderr == ""
 
 
-def test_no_numpy_warning_from_remat(no_numpy):
-    r = run("report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy])
+def test_no_numpy_warning_from_remat(quick_runs):
+    r = quick_runs["remat"]
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
 
 
-def test_wrong_input_shape_is_one_line(factories):
+def test_wrong_input_shape_is_one_line(factories, quick_runs):
     """A forward that fails under fake tensors: one line, not torch's logged traceback first."""
-    r = run("report", f"{factories}:wrong_width", "--budget", "1GB", "--quiet")
+    r = quick_runs["wrong width"]
     assert r.returncode == 2
     assert r.stdout == ""
     lines = r.stderr.splitlines()

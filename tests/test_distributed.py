@@ -108,21 +108,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(config: str, tmp_path) -> dict:
-    out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "distributed_worker.py"), config, str(_free_port()),
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
+# Every configuration the 2-rank tests check, run in turn by one launch of 2 gloo ranks (a
+# launch, 3 Python processes importing torch and a process group, costs more than a config).
+TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """config -> its result (tests/distributed_worker.py), from one launch for the module."""
+    out = tmp_path_factory.mktemp("two_ranks") / "out.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "distributed_worker.py"), ",".join(TWO_RANK_CONFIGS),
+                        str(_free_port()), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    results = json.loads(out.read_text()) if out.exists() else {}
+
+    def get(config: str) -> dict:
+        assert config in TWO_RANK_CONFIGS
+        res = results.get(config)
+        assert res is not None, f"{config} did not run (exit {r.returncode}):\n{r.stderr[-3000:]}"
+        assert "error" not in res, f"{config} raised on a rank:\n{res['error'][-3000:]}"
+        return res
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["fsdp", "fsdp-keep", "ddp"])
-def test_two_gloo_ranks_train_like_one_process_and_fit(config, tmp_path):
+def test_two_gloo_ranks_train_like_one_process_and_fit(config, two_ranks):
     """FSDP2 (per block then root; resharded after forward or not) and DDP, AdamW stepping: the
     full gradients and parameters after three steps equal one process training the plain model
     on the global batch; each rank's measured peak fits the per-rank budget, predicted within 5%."""
-    res = _two_ranks(config, tmp_path)
+    res = two_ranks(config)
     assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"]) and res["diff"]["param"] <= 1e-6
     for rank in res["ranks"]:
         assert rank["regions"] > 0                       # 80% of the unplanned peak needs regions
@@ -133,10 +147,10 @@ def test_two_gloo_ranks_train_like_one_process_and_fit(config, tmp_path):
         assert all(rank["resharded_after_forward"] for rank in res["ranks"])
 
 
-def _report(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime", "report", "tests/distributed_worker.py:factory",
-                           "--budget", "90%", "--optimizer", "adamw", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240)
+def _report(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runtime", "report", "tests/distributed_worker.py:factory",
+                             "--budget", "90%", "--optimizer", "adamw", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
@@ -144,10 +158,17 @@ def test_the_cli_plans_a_rank_of_any_world_from_one_process():
     """`remat report MODEL --world-size N --fsdp` on a fake process group: one rank's step, its
     shards and optimizer state shrinking with N; --ddp holds the whole model and its buckets."""
     plans = {}
-    for flags in (("--world-size", "2", "--fsdp"), ("--world-size", "64", "--fsdp"), ("--world-size", "2", "--ddp")):
-        r = _report(*flags, "--json")
-        assert r.returncode == 0, r.stderr[-2000:]
-        plans[flags] = json.loads(r.stdout)["plan"]
+    runs = {flags: _report(*flags, "--json")          # at once: each pays for importing torch
+            for flags in (("--world-size", "2", "--fsdp"), ("--world-size", "64", "--fsdp"), ("--world-size", "2", "--ddp"))}
+    try:
+        for flags, proc in runs.items():
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-2000:]
+            plans[flags] = json.loads(out)["plan"]
+    finally:
+        for proc in runs.values():
+            proc.kill()
+            proc.wait()
     two, many, ddp = plans.values()
     assert two["meta"]["distributed"] == {**two["meta"]["distributed"], "engine": "fsdp", "world_size": 2}
     assert many["meta"]["distributed"]["world_size"] == 64
@@ -156,11 +177,14 @@ def test_the_cli_plans_a_rank_of_any_world_from_one_process():
     assert all(p["predicted_peak_bytes"] <= p["budget_bytes"] for p in plans.values())
 
 
-def test_the_cli_refuses_what_one_process_cannot_do_for_a_job():
-    r = subprocess.run([sys.executable, "-m", "runtime", "sweep", "tests/distributed_worker.py:factory",
-                        "--budgets", "50%..90%", "--world-size", "8", "--fsdp", "--no-plot"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--fsdp and --ddp plan one rank" in r.stderr
+def test_the_cli_refuses_what_one_process_cannot_do_for_a_job(capsys, monkeypatch):
+    """In process (main() returns the exit code `remat` exits with), as tests/test_cli.py's MORE_BAD."""
+    from runtime.cli import main
+    monkeypatch.chdir(ROOT)
+    assert main(["sweep", "tests/distributed_worker.py:factory", "--budgets", "50%..90%", "--world-size", "8",
+                 "--fsdp", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "--fsdp and --ddp plan one rank" in err and "Traceback" not in err
 
 
 def test_parameters_with_freed_storage_profile_as_the_real_ones():
@@ -185,17 +209,17 @@ def test_parameters_with_freed_storage_profile_as_the_real_ones():
 
 
 @pytest.mark.slow
-def test_an_infeasible_budget_raises_on_every_rank(tmp_path):
-    res = _two_ranks("infeasible", tmp_path)
+def test_an_infeasible_budget_raises_on_every_rank(two_ranks):
+    res = two_ranks("infeasible")
     assert [r["raised"] for r in res["ranks"]] == ["InfeasibleBudgetError"] * 2
     assert res["ranks"][0] == res["ranks"][1] and res["ranks"][0]["unit"] == "MB"
 
 
 @pytest.mark.slow
-def test_mixed_precision_trains_as_fsdp2_does_and_fits(tmp_path):
+def test_mixed_precision_trains_as_fsdp2_does_and_fits(two_ranks):
     """MixedPrecisionPolicy(bf16 parameters, fp32 reduction): the gradients are FSDP2's without
     remat, bit for bit; planned for bf16 gathered parameters and fp32 shards."""
-    res = _two_ranks("fsdp-bf16", tmp_path)
+    res = two_ranks("fsdp-bf16")
     for rank in res["ranks"]:
         assert rank["grad_diff_vs_fsdp"] == 0.0 and rank["regions"] > 0
         assert rank["measured"] <= rank["budget"]

@@ -181,7 +181,7 @@ def exact_budgets(cg: CostGraph, fractions=(0.3, 0.5, 0.7)):
     return cands, [int(low + f * (high - low)) for f in fractions]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 4)])
 def test_chained_plan_is_within_one_percent_of_the_exact_optimum(seed):
     cg = block_chain(10 + seed, n_blocks=4, size=5)
     cands, budgets = exact_budgets(cg)
@@ -250,15 +250,20 @@ def test_solve_plan_takes_the_hierarchical_path_on_large_graphs_of_blocks():
 
 # ------------------------------------------------------------------------------ a real model
 @pytest.mark.slow
-def test_gpt2_4_layers_within_one_percent_of_the_exact_ilp(case):
-    """The built-in GPT-2 (4 layers, 161 nodes: the flat ILP over every region is too large for the
-    planner's default path, so solve_plan takes the hierarchical one) at 30/50/70% of the way from
-    the smallest feasible to the unplanned peak, against the exact ILP (benchmarks/exact.py)."""
+def test_gpt2_3_layers_within_one_percent_of_the_exact_ilp(case):
+    """The built-in GPT-2 with 3 layers (123 nodes: the flat ILP over every region is too large for
+    the planner's default path, so solve_plan takes the hierarchical one) at 30/50/70% of the way
+    from the smallest feasible to the unplanned peak, against the exact ILP (benchmarks/exact.py),
+    proven optimal at each. (The default 4 layers, 161 nodes: the exact ILP takes minutes a budget
+    and may stop at its time limit unproven; 3 layers is the smallest GPT-2 on the hierarchical path.)"""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     from exact import exact_row
 
-    c = case("gpt2")
+    c = case("gpt2", n_layer=3)
     cg = c.analysis.cost_graph
+    ctx = search(cg)
+    assert len(ctx.space.positions) * (len(ctx.space.positions) + 1) // 2 > FULL_PAIRS    # not the exact flat path
+    assert for_graph(cg, SolveOptions(), ctx) is not None
     options = PlanOptions()
     for f in (0.3, 0.5, 0.7):
         budget = c.budget(f)
@@ -266,6 +271,7 @@ def test_gpt2_4_layers_within_one_percent_of_the_exact_ilp(case):
         assert ours.status.startswith("hierarchical"), ours.status
         assert valid(cg, ours.regions) and ours.predicted_peak_bytes <= budget
         row = exact_row(cg, budget, ours, options.safety_margin)
+        assert row["status"] == "optimal", (f, row)
         assert row["ours_s"] <= row["exact_s"] * 1.01 + 1e-12, (f, row)
 
 

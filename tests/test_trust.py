@@ -494,6 +494,7 @@ class _MaybeSkipped(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+@pytest.mark.slow
 def test_a_random_branch_is_planned_for_its_larger_draw_whatever_the_rng():
     """fx refuses the draw, so the block is opaque and measured for real; the draw planning saw
     used to decide the plan (a skipped block: a prediction under the step that keeps it). It is
