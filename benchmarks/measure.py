@@ -62,9 +62,17 @@ def as_close_as_eager(model, loss, ref: Reference) -> bool:
     return _error(loss, grads, ref) <= 2 * _error(ref.loss, ref.grads, ref) + 1e-5
 
 
-def _round_robin_s(models: dict, ex, repeats: int) -> dict[str, list[float]]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+# "cpu": the calling thread's CPU time. On CPU with one torch thread every kernel, the autograd
+# engine's backward and Inductor's code run in the calling thread, so it is the step's compute
+# without the time the machine's other jobs take it off the core (a shared machine's noise)
+
+
+def _round_robin_s(models: dict, ex, repeats: int, clock: str = "wall") -> dict[str, list[float]]:
     """Each model's step seconds in each of `repeats` rounds (one step of each per round, after two
-    warm-up steps each), so that a change of machine load hits every model alike."""
+    warm-up steps each), so that a change of machine load hits every model alike; `clock`, a key
+    of CLOCKS."""
+    now = CLOCKS[clock]
     for model in models.values():
         for _ in range(2):
             step(model, ex)
@@ -72,15 +80,15 @@ def _round_robin_s(models: dict, ex, repeats: int) -> dict[str, list[float]]:
     for _ in range(repeats):
         for k, model in models.items():
             model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            t0 = now()
             step(model, ex)
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(now() - t0)
     return times
 
 
-def median_step_s(models: dict, ex, repeats: int) -> dict:
+def median_step_s(models: dict, ex, repeats: int, clock: str = "wall") -> dict:
     """Median step seconds of each model, timed round-robin (`_round_robin_s`)."""
-    times = _round_robin_s(models, ex, repeats)
+    times = _round_robin_s(models, ex, repeats, clock)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -96,10 +104,10 @@ class Ratio:
         return self.low <= other.high and other.low <= self.high
 
 
-def step_ratios(models: dict, ex, repeats: int, reference_key: str = "none") -> dict[str, Ratio]:
+def step_ratios(models: dict, ex, repeats: int, reference_key: str = "none", clock: str = "wall") -> dict[str, Ratio]:
     """Each model's step time against `models[reference_key]`'s, timed round-robin (one step of
     each per round, after two warm-up steps each): per-round ratios, their median and range."""
-    times = _round_robin_s(models, ex, repeats)
+    times = _round_robin_s(models, ex, repeats, clock)
     base = times[reference_key]
     out = {}
     for k, v in times.items():

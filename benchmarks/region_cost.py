@@ -5,8 +5,9 @@
 A chain of 32 Linear+Tanh blocks (64 nodes) is rewritten with no region, one region over every
 node, 8 regions and 32 regions (the same nodes recomputed in each), and the steps are timed in
 interleaved rounds (the fastest of each); the prediction is planner.simulate.timeline's under
-measured costs (planner/costs.py). Every plan recomputes the same nodes, so what grows with the
-number of regions is each region's own cost.
+measured costs (planner/costs.py), the region overheads measured through the runtime's own
+regions (runtime.rewrite.overhead.REGION_PROBE). Every plan recomputes the same nodes, so what
+grows with the number of regions is each region's own cost.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from planner import analyze  # noqa: E402
 from planner.result import Region  # noqa: E402
 from planner.simulate import timeline  # noqa: E402
 from runtime.measure.timing import interleaved_times  # noqa: E402
-from runtime.rewrite import rewrite  # noqa: E402
+from runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 
 
 def chain(blocks: int = 32, width: int = 16, batch: int = 8):
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, x = chain()
-    an = analyze(model, (x,), cost_model="measured")
+    an = analyze(model, (x,), cost_model="measured", overheads=REGION_PROBE)
     cg, names = an.cost_graph, tuple(c.name for c in an.cost_graph.nodes)
     cases = plans(len(cg.nodes) - 1)
     steps = []
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         steps.append(step)
     times = interleaved_times(steps, "cpu", rounds=a.rounds, warmup=3)
     base = min(times[0])
-    print(f"region {cg.region_s * 1e6:.1f} us, SAC op {cg.sac_op_s * 1e6:.1f} us (measured costs)")
+    print(f"region {cg.region_s * 1e6:.1f} us, SAC op {cg.sac_op_s * 1e6:.1f} us (measured costs, {cg.meta['costs']['overheads']})")
     for (label, regions), t in zip(cases.items(), times):
         print(f"{label}: measured {(min(t) - base) * 1e3:+.2f} ms, predicted "
               f"{timeline(cg, regions).recompute_s * 1e3:+.2f} ms")

@@ -71,9 +71,10 @@ def header(argv: list[str]) -> str:
         "- baselines (every block, sqrt(n) segments, SAC every block) run through the same rewriter as ours",
         "- measured peak: CPU live-tensor tracker (runtime.peak_memory); for the compiled rows (torch.compile,"
         " remat + torch.compile), allocator peak from profiler events (see the meter check)",
-        "- step time: median over rounds that time one step of each strategy in turn (torch.compile: of it and"
-        " the eager model) of the per-round ratio to no checkpointing, with the range of those ratios (the"
-        " spread) in parentheses; the machine is shared, so the spread is part of the result",
+        "- step time: median over rounds that time one step of each strategy of the budget in turn (torch.compile"
+        " at the fraction its search chose among them) of the per-round ratio to no checkpointing, with the range"
+        " of those ratios (the spread) in parentheses; the machine is shared, so the spread is part of the result;"
+        " wall time, or with `--clock cpu` the calling thread's CPU time (one torch thread: every kernel runs in it)",
         "- planning s: trace + profile + solve for ours; for remat + torch.compile, that plus every compile its"
         " measurements needed; for torch.compile, the compiles (first calls) its search for that budget needs"])
 

@@ -1,7 +1,7 @@
 """Side-by-side: our plan vs what users do instead, same model, input and budget, one process.
 
     python benchmarks/run.py [--models gpt2,resnet] [--budgets 0.3,0.5,0.7] [--quick] [--repeats 7]
-                             [--eager] [--costs measured|roofline]
+                             [--eager] [--costs measured|roofline] [--threads 1] [--clock wall|cpu] [--out STEM]
 
 Budgets are fractions of the way from the smallest feasible peak to the unplanned peak. Per
 model and budget, each strategy (no checkpointing, every block, sqrt(n), SAC every block, for
@@ -14,7 +14,10 @@ strategy's step over no checkpointing's; the table gives the median and the rang
 made with measured costs (each op timed on this machine, planner/costs.py; `--costs roofline`
 for nominal rates), and per model and budget the notes say whether ours is the fastest strategy
 that fits beyond the spread, and whether predicted and measured overheads rank the strategies
-alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out.
+alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out. `--clock cpu` (with
+`--threads 1`) times each step by the calling thread's CPU time instead of the wall clock: on CPU
+with one torch thread every kernel runs in that thread, and the time other jobs of a shared
+machine take the core away is not in it.
 Graphs of at most 90 nodes are also solved exactly, for our optimality gap. Writes
 benchmarks/results/<date>-<host>.md (a --quick run: <date>-<host>-quick.md) and a Pareto plot
 per model beside it. Timings never gate tests.
@@ -36,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import exact, report, speed  # noqa: E402
 from benchmarks.measure import reference, same_result, step, step_ratios  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
-from benchmarks.strategies_compile import GRID, QUICK_GRID, CompileSearch, dropout_recompute_error  # noqa: E402
+from benchmarks.strategies_compile import (GRID, QUICK_GRID, CompileSearch, compiled_at,  # noqa: E402
+                                          dropout_recompute_error)
 from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
 from planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
@@ -46,7 +50,7 @@ from planner.trace import capture  # noqa: E402
 from runtime import peak_memory  # noqa: E402
 from runtime.api import ExactReplay  # noqa: E402
 from runtime.measure import allocator_peak  # noqa: E402
-from runtime.rewrite import rewrite  # noqa: E402
+from runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -66,6 +70,7 @@ class Settings:
     repeats: int
     grid: tuple[float, ...]
     compile: bool = True        # also the compiled strategies (torch.compile's knob, ours compiled)
+    clock: str = "wall"         # step times: wall time, or the thread's CPU time (benchmarks.measure.CLOCKS)
 
 
 def budgets(cg, fractions, opts: PlanOptions) -> list[tuple[float, int]]:
@@ -97,13 +102,16 @@ def run_rewritten(ex, regions, names, ref) -> tuple[torch.nn.Module, int, bool]:
     return gm, peak, same
 
 
-def compile_row(search: CompileSearch, budget: int) -> dict | None:
-    run, search_s = search.best(budget)
-    if run is None:
-        return None
-    return dict(strategy=f"torch.compile ({run.fraction:g})", peak=run.peak, fits=run.peak <= budget,
-                ratio=run.ratio, low=run.ratio, high=run.ratio, predicted_s=None, gflop=None, plan_s=search_s,
-                same=run.same, compiled=True)
+def knob_label(run) -> str:
+    return f"torch.compile ({run.fraction:g})"
+
+
+def compile_row(run, search_s: float, budget: int, timed) -> dict:
+    """The knob's row: the fraction its search chose for this budget, peak and check from the
+    search, step time from this budget's rounds (`timed`, a Ratio) when it ran in them."""
+    ratio = (run.ratio, run.ratio, run.ratio) if timed is None else (timed.median, timed.low, timed.high)
+    return dict(strategy=knob_label(run), peak=run.peak, fits=run.peak <= budget, ratio=ratio[0], low=ratio[1],
+                high=ratio[2], predicted_s=None, gflop=None, plan_s=search_s, same=run.same, compiled=True)
 
 
 REMAT_COMPILE = "remat + torch.compile"
@@ -140,6 +148,7 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
     hf = hf_checkpointed(ex, ref)
     if hf is not None:
         runs[HF_GC] = hf
+    knob, knob_s = search.best(budget) if s.compile else (None, 0.0)   # compiles (and resets) as it searches
     torch._dynamo.reset()
     compiled, notes = {}, []
     try:
@@ -154,9 +163,12 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
                          f"{c.min_feasible_bytes / 1e6:.2f} MB")
         else:
             compiled[REMAT_COMPILE] = c
+    knobs = {}
+    if knob is not None:    # compiled again, after ours (other code objects): timed in the same rounds
+        knobs[knob_label(knob)] = compiled_at(ex, knob.fraction)[1]
     graphs = graphs_now()
     secs = step_ratios({label: gm for label, (gm, _, _) in runs.items()}
-                       | {label: c.module for label, c in compiled.items()}, ex, s.repeats)
+                       | {label: c.module for label, c in compiled.items()} | knobs, ex, s.repeats, clock=s.clock)
     rows = [dict(strategy=label, peak=peak, fits=peak <= budget, ratio=secs[label].median, low=secs[label].low,
                  high=secs[label].high,
                  predicted_s=timeline(cg, strategies[label][0]).recompute_s if label in strategies else None,
@@ -178,20 +190,20 @@ def budget_rows(ex, a, budget: int, s: Settings, ref, search: CompileSearch):
                         f" from the float64 step, so {'float32 rounding' if c.same else 'WRONG'}"))
     if graphs_now() != graphs:
         notes.append("the timed steps of the compiled plans recompiled (more graphs than after their first step)")
-    compiled_row = compile_row(search, budget) if s.compile else None
-    rows += [compiled_row | dict(checked=False)] if compiled_row else []
+    if knob is not None:
+        rows.append(compile_row(knob, knob_s, budget, secs.get(knob_label(knob))) | dict(checked=False))
     return rows, ours, notes + speed.checks(rows)
 
 
 def bench_model(name: str, s: Settings) -> ModelResult:
     try:
         ex = MODELS[name]()
-        a = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model=s.opts.cost_model)
+        a = analyze(ex.model, ex.inputs, None, ex.loss_fn, cost_model=s.opts.cost_model, overheads=REGION_PROBE)
     except (ImportError, RematError) as e:     # transformers missing, or the planner cannot take it
         return ModelResult(notes=[f"{name}: not benchmarked: {type(e).__name__}: {e}"])
     out = ModelResult(meter=meter_check(name, ex))
     ref = reference(ex)
-    search = CompileSearch(ex, ref, s.repeats, s.grid)
+    search = CompileSearch(ex, ref, s.repeats, s.grid, s.clock)
     for f, budget in budgets(a.cost_graph, s.fractions, s.opts):
         rows, ours, notes = budget_rows(ex, a, budget, s, ref, search)
         out.rows += [dict(model=name, fraction=f, budget=budget) | r for r in rows]
@@ -250,10 +262,11 @@ def settings(a) -> tuple[list[str], Settings]:
         return (a.models or "gpt2,resnet").split(","), Settings(
             tuple(float(x) for x in (a.budgets or "0.5").split(",")),
             PlanOptions(solve=SolveOptions(time_limit_s=4.0), cost_model=a.costs), a.repeats or 3, QUICK_GRID,
-            not a.eager)
+            not a.eager, a.clock)
     return (a.models or "gpt2,resnet,unet,mlp,gpt2-2l,gpt-512,hf-gpt2").split(","), Settings(
         tuple(float(x) for x in (a.budgets or "0.3,0.5,0.7").split(",")),
-        PlanOptions(solve=SolveOptions(time_limit_s=10.0), cost_model=a.costs), a.repeats or 7, GRID, not a.eager)
+        PlanOptions(solve=SolveOptions(time_limit_s=10.0), cost_model=a.costs), a.repeats or 7, GRID, not a.eager,
+        a.clock)
 
 
 def main(argv=None) -> int:
@@ -267,14 +280,21 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default torch's; 1 is steadier on a shared machine)")
     ap.add_argument("--costs", choices=("measured", "roofline"), default="measured",
                     help="our plans' cost model (default measured: each op timed on this machine)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step times: wall time (default), or the calling thread's CPU time, which a shared "
+                         "machine's other jobs do not inflate (CPU with --threads 1 only: then every kernel runs "
+                         "in that thread)")
+    ap.add_argument("--out", help="results file stem under benchmarks/results (default <date>-<host>[-quick][-eager])")
     a = ap.parse_args(argv)
+    if a.clock == "cpu" and a.threads != 1:
+        ap.error("--clock cpu times the calling thread: pass --threads 1 (other threads' work would be missed)")
     if a.threads:
         torch.set_num_threads(a.threads)
     models, s = settings(a)
     if set(models) - set(MODELS):
         ap.error(f"unknown models {sorted(set(models) - set(MODELS))}; known: {', '.join(MODELS)}")
     results = {m: bench_model(m, s) for m in models}
-    stem = report.stem(a.quick) + ("" if s.compile else "-eager")
+    stem = a.out or report.stem(a.quick) + ("" if s.compile else "-eager")
     pngs, plot_notes = plots(results, stem)
     rows = [r for res in results.values() for r in res.rows]
     notes = [n for res in results.values() for n in res.notes] + plot_notes + ([dropout_note()] if s.compile else [])

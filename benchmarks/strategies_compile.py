@@ -39,20 +39,27 @@ class Compiled:
     same: bool          # loss and grads as close to the float64 eager step as float32 eager's
 
 
-def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
-    torch._dynamo.reset()             # else Dynamo reuses the graph compiled at another fraction
+def compiled_at(ex, fraction: float) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, float]:
+    """A fresh copy of the model, it compiled at `fraction` (its first step, which compiles, run),
+    that step's loss and its seconds. The caller resets Dynamo when the model's forward may have
+    been compiled at another fraction already."""
     model = copy.deepcopy(ex.model)
     compiled = torch.compile(model)
     t0 = time.perf_counter()
     with functorch_config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
             inductor_config.patch(fallback_random=True, fx_graph_cache=False):
         loss = step(compiled, ex)
-    compile_s = time.perf_counter() - t0
+    return model, compiled, loss, time.perf_counter() - t0
+
+
+def compile_at(ex, fraction: float, ref, repeats: int, clock: str = "wall") -> Compiled:
+    torch._dynamo.reset()             # else Dynamo reuses the graph compiled at another fraction
+    model, compiled, loss, compile_s = compiled_at(ex, fraction)
     same = as_close_as_eager(model, loss, ref)
     model.zero_grad(set_to_none=True)
     peak = allocator_peak(lambda: step(compiled, ex), model, *ex.inputs)
     model.zero_grad(set_to_none=True)
-    secs = median_step_s({"compiled": compiled, "eager": copy.deepcopy(ex.model)}, ex, repeats)
+    secs = median_step_s({"compiled": compiled, "eager": copy.deepcopy(ex.model)}, ex, repeats, clock)
     ratio = secs["compiled"] / secs["eager"]
     return Compiled(fraction, peak, ratio, compile_s, same)
 
@@ -60,8 +67,8 @@ def compile_at(ex, fraction: float, ref, repeats: int) -> Compiled:
 class CompileSearch:
     """The compile strategy for one model: compiles lazily, once per fraction."""
 
-    def __init__(self, ex, ref, repeats: int, grid=GRID):
-        self.ex, self.ref, self.repeats, self.grid = ex, ref, repeats, grid
+    def __init__(self, ex, ref, repeats: int, grid=GRID, clock: str = "wall"):
+        self.ex, self.ref, self.repeats, self.grid, self.clock = ex, ref, repeats, grid, clock
         self.runs: dict[float, Compiled] = {}
         self.error: str | None = None    # why compiling failed on this machine
 
@@ -83,7 +90,7 @@ class CompileSearch:
     def _run(self, fraction: float) -> Compiled | None:
         if fraction not in self.runs and self.error is None:
             try:
-                self.runs[fraction] = compile_at(self.ex, fraction, self.ref, self.repeats)
+                self.runs[fraction] = compile_at(self.ex, fraction, self.ref, self.repeats, self.clock)
             except Exception as e:      # no C++ compiler, an Inductor bug, ...: report, don't crash
                 self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         return self.runs.get(fraction)

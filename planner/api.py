@@ -9,6 +9,7 @@ import torch
 
 from .budget import as_budget
 from .costgraph import CostGraph, accumulating, with_optimizer
+from .costs import OverheadProbe
 from .errors import InfeasibleBudgetError
 from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
 from .opaque import real_inputs
@@ -35,13 +36,16 @@ class Analysis:
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
             rates: DeviceRates | None = None, *, keep_output: bool = False,
             deterministic_ops: frozenset = frozenset(), optimizer: torch.optim.Optimizer | None = None,
-            accumulation_steps: int = 1, target_device: str | None = None, cost_model: str = "auto") -> Analysis:
+            accumulation_steps: int = 1, target_device: str | None = None, cost_model: str = "auto",
+            overheads: OverheadProbe | None = None) -> Analysis:
     """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward,
     and `optimizer.step()` when an optimizer is given: its state and its step's temporaries are
     measured on fake tensors, planner/optimizer.py, for a step on `target_device`). With
     `accumulation_steps` > 1 the step planned is a micro-step after the first: every gradient
     exists from its start (costgraph.accumulating). `cost_model` (planner/costs.py): "roofline",
-    "measured" (each op timed on the device) or "auto" (measured on a CUDA device, else roofline).
+    "measured" (each op timed on the device) or "auto" (measured on a CUDA device, else roofline);
+    measured, a region's overheads are timed by `overheads` (the runtime passes its own regions',
+    runtime.rewrite.overhead.REGION_PROBE), else DeviceRates' constants.
 
     The step planned is a training step, whatever mode the model is in: a model in eval mode
     is profiled as `model.train()` would leave it (dropout on, BatchNorm updating its
@@ -70,7 +74,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
             examples = real_inputs(traced.gm, named, opaque) if opaque else {}
             try:
                 cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output,
-                             frozenset(deterministic_ops), cost_model)
+                             frozenset(deterministic_ops), cost_model, overheads)
                 break
             except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
                 if e.module in opaque:
@@ -115,12 +119,12 @@ def _say_how(model: torch.nn.Module, traced: Traced) -> None:
 
 
 def analyze_for(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn, options: PlanOptions,
-                optimizer: torch.optim.Optimizer | None = None) -> Analysis:
+                optimizer: torch.optim.Optimizer | None = None, overheads: OverheadProbe | None = None) -> Analysis:
     """`analyze` with what `options` says about the step (rates, output, ops, accumulation)."""
     return analyze(model, args, kwargs, loss_fn, options.device_rates(), keep_output=options.keep_output,
                    deterministic_ops=options.deterministic_ops, optimizer=optimizer,
                    accumulation_steps=options.accumulation_steps, target_device=options.target_device,
-                   cost_model=options.cost_model)
+                   cost_model=options.cost_model, overheads=overheads)
 
 
 def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,

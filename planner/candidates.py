@@ -31,7 +31,7 @@ from .baselines import blocks, sac_keepable
 from .costgraph import CostGraph, same_unit
 from .options import SolveOptions
 from .result import Region
-from .simulate import base_liveness, region_recompute
+from .simulate import base_liveness, region_recompute, runs_top
 
 FULL_PAIRS = 1500    # every region is offered up to this many (start, end) pairs (docstring)
 EXTRA = 400          # on larger graphs: regions offered for their efficiency, besides those between cuts
@@ -218,6 +218,7 @@ class _Prefix:
 
     def __init__(self, cg: CostGraph, keep: list[bool]):
         self.cg = cg
+        self.runs = [runs_top(cg, j) for j in range(len(cg.nodes))]
         self.plain, self.sac, self.ops = [0.0], [0.0], [0]
         for j, c in enumerate(cg.nodes):
             self.plain.append(self.plain[-1] + c.cost_s)
@@ -225,10 +226,10 @@ class _Prefix:
             self.ops.append(self.ops[-1] + c.ops)
 
     def cost(self, a: int, b: int, top: int, sac: bool) -> float:
+        end = top + 1 if self.runs[top] else top
         if sac:
-            return (self.cg.region_s + self.cg.sac_op_s * (self.ops[b + 1] - self.ops[a])
-                    + self.sac[top + 1] - self.sac[a])
-        return self.cg.region_s + self.plain[top + 1] - self.plain[a]
+            return self.cg.region_s + self.cg.sac_op_s * (self.ops[b + 1] - self.ops[a]) + self.sac[end] - self.sac[a]
+        return self.cg.region_s + self.plain[end] - self.plain[a]
 
 
 def _inputs_only_held_from(a: int, st: list, users: list) -> dict[int, int]:

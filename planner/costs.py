@@ -9,7 +9,9 @@ device (floating tensors drawn from a normal distribution, integer and bool ones
 indices are valid), times it (`time_ops`: warm-up, then the fastest of several calls spread over
 the measurement, the device synchronised: a loaded machine only adds time, so the minimum is the
 op's own), and sums a node's ops; the profile adds what checkpoint's hooks cost for each tensor
-the node saves for backward (`measure_overheads`: on CPU more than recomputing a cheap op).
+the node saves for backward (on CPU more than recomputing a cheap op). The overheads of a region
+(`Overheads`) are what the runtime's own regions cost: an `OverheadProbe` the runtime passes in
+(runtime.rewrite.overhead) times them once per device; without one, DeviceRates' constants.
 Timings are cached in a JSON file per device and torch version (`cache_path`), so the next plan
 on the same machine times nothing and plans the same.
 An op that cannot be timed on made-up values (it raises) leaves its node on the roofline.
@@ -22,21 +24,21 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import RematError
+from .rates import DeviceRates
 
 COST_MODELS = ("auto", "measured", "roofline")
 REPEATS = 7                # timed calls per op signature, after one warm-up (the fastest is kept)
 CHUNK = 64                 # op signatures materialised at once (their inputs are real tensors)
-OVERHEAD_ROUNDS = 30       # interleaved rounds of the region and SAC overhead measurement
-_CHAIN = 16                # ops in the (shorter) toy region the overheads are measured on
+OVERHEADS = "region_overheads"   # the cache's key of a probe's overheads (older versions wrote "overheads")
 
 
 class CostModelError(RematError):
@@ -168,59 +170,25 @@ def time_ops(calls: list[OpCall], device: str, rounds: int = REPEATS, chunk: int
     return out
 
 
-def _toy_region(n: int, w: torch.Tensor | None):
-    """A chain of `n` cheap ops; each saves two tensors for backward when `w` is given (x * w)."""
-    def f(x):
-        for _ in range(n):
-            x = x * (w if w is not None else 1.0001)
-        return x
-    return f
+@dataclass(frozen=True)
+class Overheads:
+    """What a checkpoint region adds on a device beyond recomputing its ops, in seconds."""
+    region_s: float           # each region: its call, checkpoint's frame, the recompute's set-up
+    saved_tensor_s: float     # each tensor an op inside a region saves: checkpoint's hooks
+    sac_op_s: float           # each op of a region under a SAC policy: the policy's mode, twice
+
+    @classmethod
+    def of(cls, rates: DeviceRates) -> "Overheads":
+        return cls(rates.region_s, rates.saved_tensor_s, rates.sac_op_s)
 
 
-def _recompute_everything(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _toy_step(kind: str, f, x: torch.Tensor) -> None:
-    if kind == "plain":
-        y = f(x)
-    elif kind == "region":
-        y = checkpoint(f, x, use_reentrant=False)
-    else:
-        y = checkpoint(f, x, use_reentrant=False,
-                       context_fn=partial(create_selective_checkpoint_contexts, _recompute_everything))
-    y.sum().backward()
-
-
-def _toy_times(f, x: torch.Tensor, device: str, kinds=("plain", "region", "sac")) -> dict[str, float]:
-    """Fastest seconds of each kind of step of the toy `f` and of its forward, interleaved."""
-    fns = {k: partial(_toy_step, k, f, x) for k in kinds} | {"forward": partial(f, x)}
-    best = {k: float("inf") for k in fns}
-    for _ in range(OVERHEAD_ROUNDS):
-        for k, fn in fns.items():
-            best[k] = min(best[k], time_call(fn, device))
-    return best
-
-
-def measure_overheads(device: str) -> tuple[float, float, float]:
-    """(region_s, saved_tensor_s, sac_op_s) on `device`, from toy chains of cheap ops stepped
-    plain, as one checkpoint region and as one region under a SAC policy, interleaved (fastest
-    of each). A region costs what it adds beyond the plain step and its recompute (the chain's
-    forward): a fixed part, from a chain of `_CHAIN` ops that save nothing, and a part per
-    tensor its ops save for backward (checkpoint's hooks pack it in the forward and the
-    recompute and unpack it in backward), the slope between chains of `_CHAIN` and 4 * `_CHAIN`
-    ops that save two tensors each; a SAC policy adds a cost per op (its dispatch mode runs in
-    the forward and the recompute), from the chain that saves nothing."""
-    x = torch.randn(64, device=device, requires_grad=True)
-    w = torch.randn(64, device=device, requires_grad=True)
-    added = []
-    for n in (_CHAIN, 4 * _CHAIN):
-        t = _toy_times(_toy_region(n, w), x, device, ("plain", "region"))
-        added.append(t["region"] - t["plain"] - t["forward"])
-    saved_tensor_s = max(0.0, (added[1] - added[0]) / (2 * 3 * _CHAIN))
-    t = _toy_times(_toy_region(_CHAIN, None), x, device)
-    region_s = max(0.0, t["region"] - t["plain"] - t["forward"])
-    return region_s, saved_tensor_s, max(0.0, (t["sac"] - t["region"]) / _CHAIN)
+@dataclass(frozen=True)
+class OverheadProbe:
+    """What measures `Overheads` on a device type ("cpu", "cuda"): the runtime's own regions
+    (runtime.rewrite.overhead.REGION_PROBE; the planner does not import the runtime, which
+    passes it in). `name` says what it times: a cache measured by another probe is measured again."""
+    name: str
+    measure: Callable[[str], Overheads]
 
 
 @dataclass(frozen=True)
@@ -248,25 +216,32 @@ def _store(path: Path, cache: dict) -> None:
     tmp.replace(path)
 
 
-def measured_costs(calls: list[list[OpCall] | None], device: torch.device) -> MeasuredCosts:
+def measured_costs(calls: list[list[OpCall] | None], device: torch.device, probe: OverheadProbe | None = None,
+                   rates: DeviceRates | None = None) -> MeasuredCosts:
     """Per node (a list of its op calls each; None: not to be timed), its forward seconds on
     `device`: each distinct op signature timed once, or read from the cache (`cache_path`),
-    which is updated."""
+    which is updated. The overheads are `probe`'s, measured once per device and cached; without
+    a probe, the constants of `rates` (the device's DeviceRates by default)."""
     path = cache_path(device)
     cache = _load(path)
     ops = cache.setdefault("ops", {})
     distinct = {c.key: c for node in calls if node for c in node}
     todo = [c for k, c in distinct.items() if k not in ops]
     ops.update({c.key: t for c, t in zip(todo, time_ops(todo, device.type))})
-    timed, measure = len(todo), "overheads" not in cache
+    timed, measure = len(todo), probe is not None and cache.get(OVERHEADS, {}).get("probe") != probe.name
     if measure:
-        cache["overheads"] = dict(zip(("region_s", "saved_tensor_s", "sac_op_s"), measure_overheads(device.type)))
+        cache[OVERHEADS] = {**asdict(probe.measure(device.type)), "probe": probe.name}
     if timed or measure:
         cache["device"] = device_name(device)
         _store(path, cache)
     node_s = tuple(None if not node or any(ops[c.key] is None for c in node) else sum(ops[c.key] for c in node)
                    for node in calls)
-    meta = {"device": cache["device"], "signatures": len(distinct),
+    if probe is None:
+        overheads, how = Overheads.of(rates or DeviceRates.for_device(device)), "DeviceRates constants"
+    else:
+        overheads = Overheads(**{k: v for k, v in cache[OVERHEADS].items() if k != "probe"})
+        how = f"measured: {probe.name}"
+    meta = {"device": cache.get("device", device_name(device)), "signatures": len(distinct),
             "timed": timed, "untimed_nodes": sum(bool(node) and s is None for node, s in zip(calls, node_s)),
-            "cache": str(path)}
-    return MeasuredCosts(node_s, **cache["overheads"], meta=meta)
+            "cache": str(path), "overheads": how}
+    return MeasuredCosts(node_s, **asdict(overheads), meta=meta)

@@ -106,7 +106,10 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     # the simulator is exact on the unplanned step, except for what it does not model (compiled code)
     replay_unplanned = measure is not None and (unplanned <= budget_bytes or not measure.eager)
     measured = pb.measured(()) if replay_unplanned else None
-    if unplanned <= budget_bytes and (measured is None or measured <= budget_bytes):
+    # compiled, the measured step is the prediction even where the eager simulator says it does not fit
+    fits = (measured <= budget_bytes if measured is not None and not measure.eager else
+            unplanned <= budget_bytes and (measured is None or measured <= budget_bytes))
+    if fits:
         return _finish(cg, Plan(regions=(), predicted_peak_bytes=measured or unplanned, min_feasible_bytes=None,
                                 solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
                                 recompute_flops=0, recompute_s=0.0, **base))

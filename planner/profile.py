@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .kernels import FLOP_FORMULAS
-from .costs import MeasuredCosts, OpCall, cost_model_for, measured_costs
+from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measured_costs
 from .opaque import stand_in
 from .rates import DeviceRates
 from .simulate import timeline
@@ -296,7 +296,7 @@ def _module_of(n: fx.Node) -> str:
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
             opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None,
             keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset(),
-            cost_model: str = "auto") -> CostGraph:
+            cost_model: str = "auto", overheads: OverheadProbe | None = None) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is the stand-in of `step.training_loss`, so the plan leaves
@@ -307,13 +307,14 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
 
     `cost_model` says how a node's recompute time is estimated (planner/costs.py): "roofline"
     (`rates`), "measured" (its ops timed on the device), "auto" (measured on a CUDA device that
-    is present, else the roofline); `meta["cost_model"]` says which one made the costs.
+    is present, else the roofline); `meta["cost_model"]` says which one made the costs. Measured,
+    a region's overheads are what `overheads` measures (the runtime's regions), else `rates`'.
     """
     device = _step_device(gm, inputs)
     rates = rates or DeviceRates.for_device(device)
     cost_model = cost_model_for(cost_model, device)
     run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops, cost_model == "measured")
-    measured = measured_costs(_calls_by_node(run), device) if cost_model == "measured" else None
+    measured = measured_costs(_calls_by_node(run), device, overheads, rates) if cost_model == "measured" else None
     cg = CostGraph(
         nodes=_node_costs(gm, run, rates, measured), storages=_storage_costs(run),
         fixed_bytes=_unique_bytes(run.mode.fixed_storages),

@@ -30,8 +30,11 @@ them), every parameter grad, the kept outputs and the step's measured temporarie
 At top(R), the recomputation itself runs: its peak is the recomputed storages made so far, plus
 region intermediates still to be read, plus the node's fwd_extra. The step's peak is the maximum
 over both passes. Recompute cost: nodes of R up to top(R), less the saved ones (torch stops
-recomputing once the last saved tensor is back), plus a fixed cost per region and, with a SAC
-policy, a cost per op of the region (the policy's dispatch mode runs for each).
+recomputing once the last saved tensor is back), top(R) itself only when it saves a storage it
+makes (`runs_top`: an op packs its inputs before it computes and its outputs after, so a top
+that saves only its inputs, a Linear or a GELU, is stopped before it computes), plus a fixed
+cost per region and, with a SAC policy, a cost per op of the region (the policy's dispatch mode
+runs for each).
 """
 from __future__ import annotations
 
@@ -183,6 +186,12 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     return Timeline(fwd, tuple(bwd), flops, secs, base.opt)
 
 
+def runs_top(cg: CostGraph, top: int) -> bool:
+    """Whether a recompute whose last saved tensor node `top` holds runs `top`'s own op: only
+    when it saves something it makes (NOTE [ liveness ]: recompute cost)."""
+    return any(top in s.holders for s in cg.made_by[top])
+
+
 def region_recompute(cg: CostGraph, r: Region) -> Recompute:
     """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
     size = r.end - r.start + 1
@@ -206,7 +215,7 @@ def region_recompute(cg: CostGraph, r: Region) -> Recompute:
         _prefix_add(live, s.producer + 1 - r.start, min(last_reader(s), r.end) - r.start, s.bytes)
     live = _cumsum(live)
     peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
-    todo = [j for j in range(r.start, top + 1) if j not in saved]
+    todo = [j for j in range(r.start, top + 1 if runs_top(cg, top) else top) if j not in saved]
     overhead = cg.region_s + (cg.sac_op_s * sum(c.ops for c in cg.nodes[r.start:r.end + 1]) if saved else 0.0)
     return Recompute(tuple(work), top, peak, sum(cg.nodes[j].flops for j in todo),
                      overhead + sum(cg.nodes[j].cost_s for j in todo))

@@ -26,7 +26,8 @@ from planner.trace import capture
 from . import distributed
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
-from .rewrite import CompiledReplay, adopt, checkpointing, plan_modules, rewrite, rewrite_plan, view_replay
+from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, adopt, checkpointing, plan_modules, rewrite,
+                      rewrite_plan, view_replay)
 
 
 log = logging.getLogger("remat.runtime")
@@ -206,7 +207,8 @@ class RematModule(torch.nn.Module):
     def time_plan(self, *args, **kwargs) -> Plan:
         """Time a training step under the plan for inputs like these against the unplanned step,
         on these inputs (runtime.measure.timing: interleaved rounds, medians, spread); the plan,
-        with the measured and the predicted overhead in `meta["timing"]`, is returned and cached.
+        with the measured and the predicted overhead in `meta["timing"]` (and, for an eager graph,
+        each region's measured recompute), is returned and cached.
         Gradients, buffers and RNG states are as they were before."""
         plan = self.plan_for(*args, **kwargs)
         model, loss_fn = self._model[0], self._loss_fn
@@ -219,13 +221,18 @@ class RematModule(torch.nn.Module):
                 training_loss(fn(*args, **kwargs), loss_fn).backward()
             return run
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
+        gm = self._plans[self._last][1]
+        eager_graph = gm is not None and self._compile is None     # regions to time one by one
         was_training = self.training
         try:                    # a training step, in the modes planned for (planner.state.training_modes)
             self.training = True
-            with training_modes(model), preserved(model):
+            with training_modes(model), preserved(model), \
+                    RecomputeTimes(gm, device) if eager_graph else contextlib.nullcontext() as regions:
                 timing = step_timing(step(model), step(self), plan.recompute_s, plan.cost_model, device)
         finally:
             self.training = was_training
+        if regions is not None:
+            timing = replace(timing, region_recompute_s=regions.fastest())
         plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
         self._plans[self._last] = (plan,) + self._plans[self._last][1:]
         return plan
@@ -233,7 +240,7 @@ class RematModule(torch.nn.Module):
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
         try:
-            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer)
+            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
         except TraceError as e:             # no graph at all: plan over the module tree
             if self._compile is not None:
                 raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "

@@ -32,7 +32,7 @@ from planner.profile import compute_nodes
 from planner.result import Plan, Region
 from planner.trace import Traced, trace
 
-from .rewrite import adopt, rewrite, view_replay
+from .rewrite import REGION_PROBE, adopt, rewrite, view_replay
 
 log = logging.getLogger("remat.runtime")
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -256,11 +256,11 @@ def plan_step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callab
     world = world or _world()
     if kind == "ddp":
         inner = model.module
-        a = analyze_for(inner, args, kwargs, loss_fn, options, optimizer)
+        a = analyze_for(inner, args, kwargs, loss_fn, options, optimizer, REGION_PROBE)
         buckets = sum(p.numel() * p.element_size() for p in inner.parameters() if p.requires_grad)
         return per_rank(a.cost_graph, Sharding("ddp", world, bucket_bytes=buckets)), inner, a
     plain = plain_copy(model)
-    a = analyze_for(plain, args, kwargs, loss_fn, options, _plain_optimizer(optimizer, model, plain))
+    a = analyze_for(plain, args, kwargs, loss_fn, options, _plain_optimizer(optimizer, model, plain), REGION_PROBE)
     return per_rank(a.cost_graph, fsdp_sharding(model, world)), plain, a
 
 
@@ -379,7 +379,7 @@ def per_rank_analysis(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn
     `optimizer_of(model)` makes the optimizer (or None) over the model as it will train."""
     from dataclasses import replace
     if engine_name == "ddp":
-        a = analyze_for(model, args, kwargs, loss_fn, options, optimizer_of(model))
+        a = analyze_for(model, args, kwargs, loss_fn, options, optimizer_of(model), REGION_PROBE)
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return replace(a, cost_graph=per_rank(a.cost_graph, Sharding("ddp", world_size, bucket_bytes=buckets)))
     model = shard_per_block(model, world_size)

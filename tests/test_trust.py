@@ -546,9 +546,12 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
     """On meta tensors sdpa runs the math kernel (the attention matrix saved, in float32); a CPU
     or CUDA device runs a flash kernel. Planned on meta, the step is the CPU's to the byte
     (planner/kernels.py), and the attention's FLOPs are counted on both. (Only the count of ops
-    dispatched differs: the CPU's sdpa dispatches its kernel choice and views too.)"""
+    dispatched differs: the CPU's sdpa dispatches its kernel choice and views too: the plans are
+    compared with no cost per op, so that recompute costs are the same on both.)"""
     from dataclasses import replace
 
+    from planner.rates import DeviceRates
+    no_op_cost = PlanOptions(rates=replace(DeviceRates.for_device("cpu"), op_s=0.0))
     graphs = {}
     for device in ("cpu", "meta"):
         torch.manual_seed(0)
@@ -557,7 +560,7 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
             x = torch.randn(2, 96, 64, dtype=dtype)
         cg = analyze(model, (x,)).cost_graph
         # planned with the exact replay: regions recomputed in backward run the same kernel on meta
-        plan = plan_and_wrap(model, "85%", example_inputs=(x,)).plan
+        plan = plan_and_wrap(model, "85%", example_inputs=(x,), options=no_op_cost).plan
         assert plan.regions, device
         graphs[device] = ([replace(n, ops=0, cost_s=0.0) for n in cg.nodes], cg.storages, cg.fixed_bytes,
                           plan.predicted_peak_bytes, [(r.start, r.end, r.saved) for r in plan.regions])

@@ -91,6 +91,10 @@ def table(headers: list[str], rows: list[list[str]], align: str) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def _mode(s: Segment) -> str:
     return f"SAC keeps {s.saved_nodes}" if s.saved_nodes else "full"
 
@@ -115,11 +119,16 @@ def report_text(plan: Plan, segs: list[Segment], label: str, budget_text: str) -
         lines.append(f"time           {plan.meta['timing']['text']}")
     lines.append("")
     if segs:
+        measured = list(plan.meta.get("timing", {}).get("region_recompute_s", ()))
         rows = [[str(s.index), f"{s.start}..{s.end}", s.modules, _mode(s), size_text(s.kept_bytes),
-                 size_text(s.recomputed_bytes), f"{s.recompute_flops / 1e9:.3f}", f"{s.recompute_s * 1e3:.2f}",
-                 _why(s, plan)] for s in segs]
-        lines.append(table(["#", "nodes", "modules", "mode", "kept", "recomputed", "GFLOP", "est ms",
-                            "why chosen"], rows, "rrllrrrrl"))
+                 size_text(s.recomputed_bytes), f"{s.recompute_flops / 1e9:.3f}", f"{s.recompute_s * 1e3:.2f}"]
+                + ([_ms(measured[s.index])] if measured else []) + [_why(s, plan)] for s in segs]
+        lines.append(table(["#", "nodes", "modules", "mode", "kept", "recomputed", "GFLOP", "est ms"]
+                           + (["meas ms"] if measured else []) + ["why chosen"], rows,
+                           "rrllrrrr" + ("r" if measured else "") + "l"))
+        if measured:
+            lines.append("est ms: a region's recompute and its fixed cost, estimated; meas ms: its recompute in "
+                         "backward, the fastest of the timed steps (-: it recomputed nothing)")
     else:
         lines.append("no checkpoint regions: the step fits the budget as it is")
     lines.append("opaque modules:" + ("" if plan.opaque else " none"))

@@ -34,7 +34,7 @@ from .. import examples
 from ..api import ExactReplay
 from ..measure import peak_memory, preserved, training_loss
 from ..measure.timing import StepTiming, interleaved_times, step_timing
-from ..rewrite import CompiledReplay, rewrite_plan
+from ..rewrite import REGION_PROBE, CompiledReplay, RecomputeTimes, rewrite_plan
 
 
 class UsageError(Exception):
@@ -151,7 +151,8 @@ def profile_model(loaded: Loaded, say, options: PlanOptions = PlanOptions(), opt
     say(f"tracing and profiling {loaded.label} on fake tensors ...")
     with model_code(f"cannot profile {loaded.label}"):
         try:
-            analysis = analyze_for(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, options, optimizer)
+            analysis = analyze_for(loaded.model, loaded.args, loaded.kwargs, loaded.loss_fn, options, optimizer,
+                                   REGION_PROBE)
         except TraceError as e:
             raise ModelError(f"{e}. No graph, so no report here: plan_and_wrap still plans this model over "
                              "its module tree, measuring each choice with a real step") from e
@@ -222,7 +223,11 @@ def measure_extra_pct(loaded: Loaded, analysis: Analysis, plan: Plan) -> float:
 
 def time_plan(loaded: Loaded, analysis: Analysis, plan: Plan) -> StepTiming:
     """The plan's real step against the unplanned step on the example inputs, timed in
-    interleaved rounds (runtime.measure.timing), beside the plan's own estimate."""
-    fns = [_step_fn(loaded, _forward_fn(loaded, analysis, p)) for p in (None, plan)]
-    with preserved(loaded.model):
-        return step_timing(*fns, plan.recompute_s, plan.cost_model, _device(loaded))
+    interleaved rounds (runtime.measure.timing), beside the plan's own estimate, with each
+    region's recompute timed in backward."""
+    device = _device(loaded)
+    gm = rewrite_plan(loaded.model, analysis.traced.gm, plan)
+    fns = [_step_fn(loaded, _forward_fn(loaded, analysis, None)), _step_fn(loaded, lambda: gm(**analysis.example_inputs))]
+    with preserved(loaded.model), RecomputeTimes(gm, device) as regions:
+        timing = step_timing(*fns, plan.recompute_s, plan.cost_model, device)
+    return replace(timing, region_recompute_s=regions.fastest())

@@ -3,7 +3,8 @@
 The two steps are timed in interleaved rounds (one of each per round, after warm-up), so that a
 change of machine load hits both alike; each round gives one ratio, planned over unplanned, and
 the rounds give its median and its spread. What the plan predicted (Plan.recompute_s: the
-recompute and the regions' fixed costs) stands beside what was measured.
+recompute and the regions' fixed costs) stands beside what was measured; the callers add each
+region's measured recompute (runtime.rewrite.RecomputeTimes, on while the steps run).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class StepTiming:
     rounds: int
     predicted_extra_s: float    # the plan's estimate of its extra time per step
     cost_model: str             # what made that estimate: "roofline" or "measured"
+    # per region, the wall time of its recompute in backward, the fastest of the planned steps
+    # (runtime.rewrite.RecomputeTimes; None: it never recomputed); () when not recorded
+    region_recompute_s: tuple[float | None, ...] = ()
 
     @property
     def measured_extra_s(self) -> float:
