@@ -123,11 +123,11 @@ def _scoped(ctx):
 
 
 class _Clock:
-    """The wall times of one region's recomputes in backward, while `RecomputeTimes` is on:
-    perf_counter on CPU; on CUDA, events read once the steps are done."""
+    """The times of one region's recomputes in backward, while `RecomputeTimes` is on: `now`'s
+    (perf_counter) on CPU; on CUDA, events read once the steps are done."""
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.spans = cuda, []
+    def __init__(self, cuda: bool, now=time.perf_counter):
+        self.cuda, self.now, self.spans = cuda, now, []
 
     @contextlib.contextmanager
     def span(self):
@@ -140,11 +140,11 @@ class _Clock:
                 end.record()
                 self.spans.append((start, end))
         else:
-            t0 = time.perf_counter()
+            t0 = self.now()
             try:
                 yield
             finally:
-                self.spans.append(time.perf_counter() - t0)
+                self.spans.append(self.now() - t0)
 
     def seconds(self) -> list[float]:
         if self.cuda:
@@ -157,11 +157,12 @@ class RecomputeTimes:
     """While on (`with RecomputeTimes(gm, device) as t:`), each region of the rewritten `gm`
     records the wall time of its recompute in backward (the sub-graph rerun, from its first
     saved tensor unpacked to the end; checkpoint's frame around it is not in it). Off, regions
-    time nothing. `fastest()`: per region, its fastest recompute (None: it never recomputed)."""
+    time nothing. `fastest()`: per region, its fastest recompute (None: it never recomputed).
+    On CPU, `now` is the clock (wall time; time.thread_time for the thread's CPU time)."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device | str = "cpu"):
+    def __init__(self, gm: fx.GraphModule, device: torch.device | str = "cpu", now=time.perf_counter):
         self.regions = regions_of(gm)
-        self.clocks = [_Clock(torch.device(device).type == "cuda") for _ in self.regions]
+        self.clocks = [_Clock(torch.device(device).type == "cuda", now) for _ in self.regions]
 
     def __enter__(self) -> "RecomputeTimes":
         for region, clock in zip(self.regions, self.clocks):
