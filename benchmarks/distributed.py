@@ -123,12 +123,16 @@ def peak_of(model: nn.Module, opt, step) -> int:
     return allocator_peak(step, [_local(p) for p in model.parameters()] + state)
 
 
-def _timed(step) -> float:
+def _timed(step) -> tuple[float, float]:
+    """(wall seconds between barriers, this rank's main-thread CPU seconds): on CPU the autograd
+    engine runs backward in the calling thread and gloo's collectives in its own, so the CPU time
+    is the rank's compute, which the other jobs of a shared machine do not stretch."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     step()
+    c1 = time.thread_time()
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, c1 - c0
 
 
 def rank_main(rank: int, cfg: dict, port: int, out_dir: str) -> None:
@@ -181,12 +185,14 @@ def _port() -> int:
 
 def table(ranks: list[dict], cfg: dict, argv: list[str]) -> str:
     # a round's step time: the slower rank's (the ranks meet at barriers around every step)
-    rounds = {k: [max(r[k][1][i] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
+    # and its compute: the larger rank's CPU time
+    rounds = {k: [max(r[k][1][i][0] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
+    cpu = {k: [max(r[k][1][i][1] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
     worst = {k: (max(r[k][0] for r in ranks), statistics.median(rounds[k])) + tuple(ranks[0][k][2:]) for k in ranks[0]}
     none_s = worst["none"][1]
 
-    def vs_block(k: str) -> str:
-        r = sorted(a / b for a, b in zip(rounds[k], rounds["per-block"]))
+    def vs_block(k: str, times: dict) -> str:
+        r = sorted(a / b for a, b in zip(times[k], times["per-block"]))
         return f"{statistics.median(r):.2f}x [{r[0]:.2f}-{r[-1]:.2f}]"
 
     lines = [f"# FSDP2 on {WORLD} gloo ranks: remat vs torchtitan's checkpointing ({datetime.date.today()})", "",
@@ -196,14 +202,17 @@ def table(ranks: list[dict], cfg: dict, argv: list[str]) -> str:
              "fully_shard per block, then the root. Per rank (the slower rank): measured peak of one step "
              "(allocator events), median step time over "
              f"{cfg['steps']} rounds of one step per strategy in turn (each round in another order); "
-             "vs per-block: the median and range over the rounds of the step time over per-block's in the same round.", "",
-             "| strategy | per-rank peak | step time | vs no checkpointing | vs per-block | remat predicted | regions | plan s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "vs per-block: the median and range over the rounds of the step time over per-block's in the same round; "
+             "CPU: the same for the rank's main-thread CPU time (its compute: the autograd engine runs backward in "
+             "that thread on CPU, gloo's collectives in their own), the larger rank's.", "",
+             "| strategy | per-rank peak | step time | vs no checkpointing | vs per-block | CPU ms | CPU vs per-block "
+             "| remat predicted | regions | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for k, (peak, step_s, pred, regions, plan_s) in worst.items():
         extra = (f"{pred / 1e6:.2f} MB" if pred else "", str(regions) if regions is not None else "",
                  f"{plan_s:.1f}" if plan_s else "")
-        lines.append(f"| {k} | {peak / 1e6:.2f} MB | {step_s * 1e3:.0f} ms | {step_s / none_s:.2f}x | {vs_block(k)} | "
-                     + " | ".join(extra) + " |")
+        lines.append(f"| {k} | {peak / 1e6:.2f} MB | {step_s * 1e3:.0f} ms | {step_s / none_s:.2f}x | {vs_block(k, rounds)} | "
+                     f"{statistics.median(cpu[k]) * 1e3:.0f} | {vs_block(k, cpu)} | " + " | ".join(extra) + " |")
     if any("floor*" in k for k in worst):
         lines += ["", "*: the baseline's measured peak lies below the smallest per-rank budget remat plans for "
                   "(its prediction is conservative under FSDP2: whether a kept all-gather buffer is freed before "
