@@ -92,6 +92,9 @@ MIN_GAP = 1e-3       # a gap in a front narrower than this share of the activati
 DP_STATES = 3000     # states the chain DP keeps per segment (beyond that, the cheapest per bucket of bytes)
 ROUNDS = 5           # DP solves per budget when the simulator says the chained plan misses
 CLOSE = 0.002        # ... stopping once a plan that fits is this close to the budget
+SEGMENT_NODES = 500  # branch-and-bound nodes of a segment ILP: a Llama-2-7B block's ILPs hit the 6 s
+                     # time limit (a plan that moved with the machine's load) at 20,000; at 500 they
+                     # stop by count, with the same plans on GPT-2 and the 7B (benchmarks/scale.py)
 SEGMENT_PAIRS = 2 * FULL_PAIRS   # a segment's ILP offers every region up to this many (start, end) pairs
 POLISH_CANDIDATES = 1500         # the flat ILP over the options' regions (tiled, and across block
                                  # boundaries) runs when there are at most this many of them ...
@@ -274,7 +277,8 @@ class _Context:
 
 # ------------------------------------------------------------------------------ options by exact ILP
 def _exact(opts: SolveOptions) -> SolveOptions:
-    return replace(opts, max_cuts=10**6, max_span=10**6, rel_gap=0.0, improve_evals=0)
+    return replace(opts, max_cuts=10**6, max_span=10**6, rel_gap=0.0, improve_evals=0,
+                   max_nodes=min(opts.max_nodes, SEGMENT_NODES))
 
 
 class SegmentILP:
