@@ -39,6 +39,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.measure import CLOCKS  # noqa: E402
+
 WORLD = 2
 
 
@@ -128,11 +130,12 @@ def _timed(step) -> tuple[float, float]:
     engine runs backward in the calling thread and gloo's collectives in its own, so the CPU time
     is the rank's compute, which the other jobs of a shared machine do not stretch."""
     dist.barrier()
-    t0, c0 = time.perf_counter(), time.thread_time()
+    wall, cpu = CLOCKS["wall"], CLOCKS["cpu"]
+    t0, c0 = wall(), cpu()
     step()
-    c1 = time.thread_time()
+    c1 = cpu()
     dist.barrier()
-    return time.perf_counter() - t0, c1 - c0
+    return wall() - t0, c1 - c0
 
 
 def rank_main(rank: int, cfg: dict, port: int, out_dir: str) -> None:
@@ -184,10 +187,12 @@ def _port() -> int:
 
 
 def table(ranks: list[dict], cfg: dict, argv: list[str]) -> str:
-    # a round's step time: the slower rank's (the ranks meet at barriers around every step)
-    # and its compute: the larger rank's CPU time
-    rounds = {k: [max(r[k][1][i][0] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
-    cpu = {k: [max(r[k][1][i][1] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
+    def slower(clock: int) -> dict:    # per strategy and round, the slower rank's time by one clock
+        return {k: [max(r[k][1][i][clock] for r in ranks) for i in range(len(ranks[0][k][1]))] for k in ranks[0]}
+
+    # a round's step time: the slower rank's (the ranks meet at barriers around every step); its
+    # compute: the larger rank's CPU time
+    rounds, cpu = slower(0), slower(1)
     worst = {k: (max(r[k][0] for r in ranks), statistics.median(rounds[k])) + tuple(ranks[0][k][2:]) for k in ranks[0]}
     none_s = worst["none"][1]
 

@@ -276,7 +276,8 @@ class _Context:
 
 
 # ------------------------------------------------------------------------------ options by exact ILP
-def _exact(opts: SolveOptions) -> SolveOptions:
+def _segment_options(opts: SolveOptions) -> SolveOptions:
+    """A segment ILP's limits: every region offered, no gap, no local search, SEGMENT_NODES nodes."""
     return replace(opts, max_cuts=10**6, max_span=10**6, rel_gap=0.0, improve_evals=0,
                    max_nodes=min(opts.max_nodes, SEGMENT_NODES))
 
@@ -289,7 +290,7 @@ class SegmentILP:
     level after another; plans are in the segment graph's indices."""
 
     def __init__(self, sub: CostGraph, opts: SolveOptions, k_none: int):
-        self.sub, self.opts = sub, _exact(opts)
+        self.sub, self.opts = sub, _segment_options(opts)
         space = SearchSpace(sub, opts.sac)
         pos = space.positions
         full = len(pos) * (len(pos) + 1) // 2 <= SEGMENT_PAIRS
