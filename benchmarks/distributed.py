@@ -168,7 +168,7 @@ def rank_main(rank: int, cfg: dict, port: int, out_dir: str) -> None:
             name += " (at our floor*)"
         plan_s = time.perf_counter() - t0
         steps[name] = _step_fn(w, opt, local)
-        rows[name] = [peak_of(m, opt, steps[name]), w.plan.predicted_peak_bytes, len(w.plan.regions), plan_s]
+        rows[name] = [peak_of(m, opt, steps[name]), w.remat.plan.predicted_peak_bytes, len(w.remat.plan.regions), plan_s]
     times = {k: [] for k in steps}
     order = list(steps)
     for i in range(cfg["steps"]):            # each round in another order: no strategy always first

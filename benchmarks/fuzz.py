@@ -677,7 +677,7 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
         fails.append(f"planning/changed-model: plan_and_wrap changed {', '.join(changed[:4])}"
                      f"{' ...' if len(changed) > 4 else ''}")
     info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
-    plan = wrapped.plan
+    plan = wrapped.remat.plan
     info.update(predicted=plan.predicted_peak_bytes, regions=len(plan.regions),
                 path=plan.meta.get("trace_path"), solver=plan.solver)
     log(plan.summary() if hasattr(plan, "summary") else plan)

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     _train(ex.model, ex, opt, 1, device)                  # the optimizer's state exists from here on
     options = PlanOptions()
     free = plan_and_wrap(ex.model, 10**6, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
-                         options=options).plan
+                         options=options).remat.plan
     try:
         plan_and_wrap(ex.model, 1e-6, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt, options=options)
     except InfeasibleBudgetError as e:
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
                           options=options)
         plan_s = time.perf_counter() - t0
         peak, step_s = _train(w, ex, opt, a.steps, device)
-        rows.append((f"{frac:.0%}", budget, w.plan.predicted_peak_bytes, peak, step_s, len(w.plan.regions), plan_s,
-                     w.plan.peak_phase))
+        rows.append((f"{frac:.0%}", budget, w.remat.plan.predicted_peak_bytes, peak, step_s, len(w.remat.plan.regions), plan_s,
+                     w.remat.plan.peak_phase))
     base_peak, base_s = _train(ex.model, ex, opt, a.steps, device)
     block_peak, block_s = _train(_EveryBlock(ex.model), ex, opt, a.steps, device)
     lines = [f"# GPU check: {cfg} ({params / 1e9:.2f}B parameters, bf16, AdamW) on "

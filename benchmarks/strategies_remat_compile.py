@@ -90,8 +90,8 @@ def remat_compiled(ex, budget: int, opts: PlanOptions, ref) -> RematCompiled | I
     breaks = tuple(sorted({k.strip().splitlines()[0][:120] for k, v in counters["graph_break"].items()
                            if v > breaks0.get(k, 0)}))
     graphs = counters["stats"]["unique_graphs"] - graphs0
-    error64 = None if same else float64_error(ex, wrapped.plan, ref)
-    return RematCompiled(wrapped, wrapped.plan, peak, plan_s, same or error64 <= MAX_ERROR64, exact, error64,
+    error64 = None if same else float64_error(ex, wrapped.remat.plan, ref)
+    return RematCompiled(wrapped, wrapped.remat.plan, peak, plan_s, same or error64 <= MAX_ERROR64, exact, error64,
                          graphs, breaks)
 
 

@@ -161,7 +161,7 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     blocks = (every_block_peak(ex), hf_per_block_peak(ex)) if baselines else (None, None)
     kwargs = ex.kwargs or {}
     probe = plan_and_wrap(copy.deepcopy(model), 1e6, example_inputs=ex.inputs, example_kwargs=kwargs,
-                          loss_fn=ex.loss_fn, options=options).plan
+                          loss_fn=ex.loss_fn, options=options).remat.plan
     fixed = fixed_bytes(model, (ex.inputs, kwargs))
     budget = int(fixed + fraction * (probe.unplanned_peak_bytes - fixed))
     t0 = time.perf_counter()
@@ -169,12 +169,12 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     try:
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
-        floor = wrapped.plan.min_feasible_bytes
+        floor = wrapped.remat.plan.min_feasible_bytes
     except InfeasibleBudgetError as e:
         planned_at = floor = e.min_feasible_bytes
         wrapped = plan_and_wrap(model, planned_at / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
-        why = f"the smallest feasible peak is {planned_at / 1e6:.2f} MB{_where_peak(wrapped.plan, ex)}"
+        why = f"the smallest feasible peak is {planned_at / 1e6:.2f} MB{_where_peak(wrapped.remat.plan, ex)}"
     plan_s = time.perf_counter() - t0
     ref_out, ref_rng = _step(ref, ex)
     out, rng = _step(wrapped, ex)
@@ -186,7 +186,7 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
     for p in model.parameters():
         p.grad = None
     measured = peak_memory(lambda: planned_step(wrapped, ex), model, ex.inputs, kwargs)
-    p = wrapped.plan
+    p = wrapped.remat.plan
     return Row(name, p.trace_path, len(p.node_names), [m for m, _ in p.opaque], plan_s, p.unplanned_peak_bytes,
                budget, planned_at, measured, p.predicted_peak_bytes, p.extra_compute_pct, len(p.regions), diff,
                torch.equal(ref_rng, rng), why, floor, *blocks)

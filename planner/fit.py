@@ -273,3 +273,28 @@ def _finish(cg: CostGraph, p: Plan) -> Plan:
         notes.append(f"a micro-step of {cg.meta['accumulation_steps']}-step gradient accumulation: every gradient "
                      "is live from its start")
     return replace(p, notes=tuple(notes), meta={**cg.meta, "peak_phase": timeline(cg, p.regions).phase})
+
+
+def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOptions = PlanOptions(),
+               measure: Measure | None = None) -> Plan | None:
+    """`plan`'s regions on `cg` (the same graph, by node names, at other input shapes, dtypes or
+    keyword values), predicted as `solve_plan` predicts them (the measure, else the simulator),
+    when that fits `budget_bytes`; None when the graph differs or the regions do not fit there.
+    One prediction, no solve: a run's later shapes keep its plan (runtime.api)."""
+    names = tuple(c.name for c in cg.nodes)
+    if names != plan.node_names:
+        return None
+    margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
+    pb = _Problem(cg, int(budget_bytes), options, [], None, {}, {}, measure, margin)
+    predicted = pb.measured(plan.regions) if measure is not None else pb.predict(plan.regions)
+    if predicted > budget_bytes:
+        return None
+    tl = timeline(cg, plan.regions)
+    added = margin - 1.0 if measure else options.safety_margin
+    p = _finish(cg, Plan(regions=plan.regions, budget_bytes=int(budget_bytes), predicted_peak_bytes=predicted,
+                         unplanned_peak_bytes=pb.predict(()), min_feasible_bytes=None, solver=plan.solver,
+                         status="reused: the plan made at other inputs fits these", gap=plan.gap, solve_s=0.0,
+                         recompute_flops=tl.recompute_flops, total_flops=sum(c.flops for c in cg.nodes),
+                         recompute_s=tl.recompute_s, forward_s=sum(c.cost_s for c in cg.nodes),
+                         node_names=names, opaque=plan.opaque))
+    return replace(p, notes=p.notes + (f"predicted peak: {pb.source}" + (f", plus {added:.0%}" if added else ""),))

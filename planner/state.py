@@ -98,3 +98,27 @@ def state_preserved(model: torch.nn.Module):
         for m, k, v in attrs:
             m.__dict__[k] = v
         values.restore()
+
+
+_NONE = object()
+
+
+@contextlib.contextmanager
+def instance_forwards(forwards: dict):
+    """Each module's `forward` is the given callable inside the block (None: the module's own, as
+    it was before any instance-level forward), and afterwards exactly what it was before: an
+    instance-level forward a user or framework set (accelerate's hooks, remat's own) is kept."""
+    before = {m: m.__dict__.get("forward", _NONE) for m in forwards}
+    for m, fn in forwards.items():
+        if fn is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.__dict__["forward"] = fn
+    try:
+        yield
+    finally:
+        for m, fn in before.items():
+            if fn is _NONE:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = fn

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"plan_and_wrap": "api", "apply": "api", "RematModule": "api", "peak_memory": "measure",
+_EXPORTS = {"plan_and_wrap": "api", "apply": "api", "remove": "api", "Remat": "api", "peak_memory": "measure",
             "rewrite": "rewrite", "CheckpointRegion": "rewrite", "assert_fits": "testing"}
 
 __all__ = sorted(_EXPORTS)

@@ -14,16 +14,16 @@ from torch.utils._pytree import tree_flatten
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget
 from planner.api import analyze_for, input_signature
-from planner.errors import InfeasibleBudgetError, PlanMismatchError, TraceError
-from planner.fit import DEFAULT_ROUNDS, unplanned_peak_bytes
+from planner.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, TraceError
+from planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
 from planner.profile import compute_nodes
 from planner.result import Plan
 from planner.simulate import base_liveness
 from planner.rng import rng_preserved
-from planner.state import mode_key, state_preserved, training_modes
+from planner.state import instance_forwards, mode_key, state_preserved, training_modes
 from planner.trace import capture
 
-from . import distributed
+from . import distributed, dropin
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
 from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, adopt, checkpointing, plan_modules, rewrite,
@@ -73,13 +73,19 @@ def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) 
     value: `_value_key`); the autocast state (it changes activation dtypes, hence sizes); the
     modes the training step runs its modules in (a graph bakes them in)."""
     leaves, spec = tree_flatten((args, kwargs))
-    key = [str(spec), _autocast_state(), mode_key(model) if model is not None else ()]
+    key = [str(spec), _autocast_state(), mode_key(model) if model is not None else (),
+           _parameter_key(model) if model is not None else ()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             key.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         else:
             key.append(_value_key(x))
     return tuple(key)
+
+
+def _parameter_key(model: torch.nn.Module) -> tuple:
+    """The parameters' dtypes and devices (`model.half()`, `.to(device)` change what a step holds)."""
+    return tuple(sorted({(str(p.dtype), p.device.type) for p in model.parameters()}))
 
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(Ellipsis))
@@ -115,27 +121,28 @@ def _autocast_state() -> tuple:
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-class RematModule(torch.nn.Module):
-    """`model` with activation checkpointing planned to fit `budget` (a planner.budget.Budget).
+class Remat:
+    """remat's state on a model it planned, as `model.remat` (runtime.dropin installs it).
 
-    Registers the original model's children, parameters and buffers under their original names
-    (the same objects): `state_dict()` keys are unchanged and an optimizer built on the original
-    parameters keeps working. Plans are made per input signature (shapes, dtypes) on first use
-    and cached; `plan` is the plan of the latest call. In eval mode or under no_grad the original
-    model runs unchanged.
+    Plans are made per input signature (shapes, dtypes, keyword values, autocast, modes) and
+    cached: `plan` is the plan of the latest training call, `plans` all of them. The budget is
+    bytes, resolved once: a '%' budget becomes bytes at the first plan and stays fixed. A new
+    signature whose graph is one already planned keeps that plan when it still fits there
+    (planner.fit.reuse_plan: one prediction, no solve); only a plan that would not fit is made
+    anew, and that is logged. In eval mode or without gradients the model's own forward runs.
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, loss_fn: Callable | None,
                  options: PlanOptions, compile: dict | None = None, optimizer: torch.optim.Optimizer | None = None):
-        super().__init__()
-        adopt(self, model)
-        self._model = (model,)                 # tuples keep these out of the module tree
-        self.train(model.training)
-        self._budget, self._loss_fn, self._options = budget, loss_fn, options
+        self.model = model
+        self.budget = budget                   # Budget("bytes", ...) once the first plan resolved it
+        self._loss_fn, self._options = loss_fn, options
         self._compile = compile                # torch.compile kwargs: plans are for the compiled step
         self._optimizer = optimizer            # its state and step are in the budget
         self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
         self._last: tuple | None = None
+        self._bypass = 0                       # > 0 while remat itself runs the model (capture, timing)
+        self._warned: set[str] = set()
 
     def __getstate__(self):
         """Pickled (torch.save) without its plans: they hold traced graphs, and are made again for
@@ -143,13 +150,13 @@ class RematModule(torch.nn.Module):
         is left out, with a warning: the loaded model then plans with the stand-in loss (room for
         a tensor of the output's size) until `set_loss_fn` gives it one."""
         state = dict(self.__dict__)
-        state["_plans"], state["_last"] = {}, None
+        state["_plans"], state["_last"], state["_bypass"] = {}, None, 0
         if self._loss_fn is not None:
             try:
                 pickle.dumps(self._loss_fn)
             except Exception as e:
-                warnings.warn(f"RematModule pickled without its loss_fn ({type(e).__name__}: {e}); after loading, "
-                              "pass it again with set_loss_fn(loss_fn)", stacklevel=2)
+                warnings.warn(f"the remat plan is pickled without its loss_fn ({type(e).__name__}: {e}); after "
+                              "loading, pass it again with model.remat.set_loss_fn(loss_fn)", stacklevel=2)
                 state["_loss_fn"] = None
         return state
 
@@ -157,10 +164,9 @@ class RematModule(torch.nn.Module):
         """The loss the plans are made for; plans made for another loss are dropped."""
         self._loss_fn, self._plans, self._last = loss_fn, {}, None
 
-    def train(self, mode: bool = True) -> "RematModule":
-        super().train(mode)
-        self._model[0].train(mode)         # the original's own flag too (its forward may read it)
-        return self
+    def remove(self) -> torch.nn.Module:
+        """Take the plan out of the model (runtime.dropin.remove); returns the model as it was."""
+        return dropin.remove(self.model)
 
     @property
     def plan(self) -> Plan:
@@ -172,15 +178,30 @@ class RematModule(torch.nn.Module):
     def plans(self) -> dict[tuple, Plan]:
         return {k: v[0] for k, v in self._plans.items()}
 
+    @contextlib.contextmanager
+    def bypassed(self):
+        """Inside, `model(...)` runs the model's own forward, as it was before remat installed its
+        own (remat capturing or timing it: a tracer sees the user's forward, not remat's)."""
+        forward = self.model.__dict__.get("forward")
+        own = forward.inner if isinstance(forward, dropin.PlannedForward) else forward
+        self._bypass += 1
+        try:
+            with instance_forwards({self.model: own}):
+                yield
+        finally:
+            self._bypass -= 1
+
     def plan_for(self, *args, **kwargs) -> Plan:
         """Plan (or fetch the cached plan) for inputs like these, without running the model."""
-        model = self._model[0]
+        model = self.model
+        self._take_over()
         key = _shape_key(args, kwargs, model)
         if key not in self._plans:
             try:
-                self._plans[key] = self._make_plan(model, args, kwargs)
+                with self.bypassed():
+                    self._plans[key] = self._make_plan(model, args, kwargs)
             except InfeasibleBudgetError as e:     # sizes in the unit the budget was written in
-                raise e.in_unit(self._budget.unit) from None
+                raise e.in_unit(self.budget.unit) from None
         self._last = key
         return self._plans[key][0]
 
@@ -188,7 +209,7 @@ class RematModule(torch.nn.Module):
         """Train inputs like these with `plan` (made elsewhere: `Plan.from_json`), without
         re-planning. Raises PlanMismatchError, saying what differs, when the model's graph or the
         inputs are not the ones the plan was made for."""
-        model = self._model[0]
+        model = self.model
         key = _shape_key(args, kwargs, model)
         if plan.trace_path == "module tree":
             missing = [n for n in plan.node_names if n not in dict(model.named_modules())]
@@ -196,7 +217,7 @@ class RematModule(torch.nn.Module):
                 raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
             self._plans[key] = (plan, None, None)
         else:
-            with rng_preserved(), training_modes(model), state_preserved(model):
+            with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
                 traced = capture(model, args, kwargs)
                 named = traced.inputs(model, args, kwargs)
             _check_matches(plan, traced, named)
@@ -211,31 +232,35 @@ class RematModule(torch.nn.Module):
         each region's measured recompute), is returned and cached.
         Gradients, buffers and RNG states are as they were before."""
         plan = self.plan_for(*args, **kwargs)
-        model, loss_fn = self._model[0], self._loss_fn
+        model, loss_fn = self.model, self._loss_fn
         params = list(model.parameters())
 
-        def step(fn):
+        def step(planned: bool):
             def run():
                 for p in params:
                     p.grad = None
-                training_loss(fn(*args, **kwargs), loss_fn).backward()
+                with contextlib.nullcontext() if planned else self.bypassed():
+                    out = model(*args, **kwargs)
+                training_loss(out, loss_fn).backward()
             return run
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
         gm = self._plans[self._last][1]
         eager_graph = gm is not None and self._compile is None     # regions to time one by one
-        was_training = self.training
-        try:                    # a training step, in the modes planned for (planner.state.training_modes)
-            self.training = True
-            with training_modes(model), preserved(model), \
-                    RecomputeTimes(gm, device) if eager_graph else contextlib.nullcontext() as regions:
-                timing = step_timing(step(model), step(self), plan.recompute_s, plan.cost_model, device)
-        finally:
-            self.training = was_training
+        # a training step, in the modes planned for (planner.state.training_modes)
+        with training_modes(model), preserved(model), \
+                RecomputeTimes(gm, device) if eager_graph else contextlib.nullcontext() as regions:
+            timing = step_timing(step(False), step(True), plan.recompute_s, plan.cost_model, device)
         if regions is not None:
             timing = replace(timing, region_recompute_s=regions.fastest())
         plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
         self._plans[self._last] = (plan,) + self._plans[self._last][1:]
         return plan
+
+    def _resolved(self, unplanned_bytes: int | None) -> int:
+        """The budget in bytes; a '%' budget is resolved by the first plan and fixed from then on."""
+        if self.budget.kind != "bytes":
+            self.budget = Budget("bytes", float(self.budget.bytes_of(unplanned_bytes)), self.budget.unit)
+        return int(self.budget.value)
 
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
@@ -247,28 +272,71 @@ class RematModule(torch.nn.Module):
                                           "compile (the module tree is planned, eagerly)") from e
             log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
                         type(model).__name__, e.cause)
-            return (plan_modules(model, args, kwargs, self._loss_fn, self._budget, self._options, e.cause,
-                                 self._optimizer), None, None)
-        budget_bytes = self._budget.bytes_of(unplanned_peak_bytes(a.cost_graph, self._options))
+            p = plan_modules(model, args, kwargs, self._loss_fn, self.budget, self._options, e.cause, self._optimizer)
+            self._resolved(p.unplanned_peak_bytes)
+            return p, None, None
+        budget_bytes = self._resolved(unplanned_peak_bytes(a.cost_graph, self._options))
         if self._compile is not None:
             return _plan_compiled(model, a, budget_bytes, self._loss_fn, self._options, self._compile)
-        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque,
-                       measure=ExactReplay(model, a, self._loss_fn))
+        measure = ExactReplay(model, a, self._loss_fn)
+        for old, _, traced in list(self._plans.values()):
+            if traced is not None and traced.path == a.traced.path:
+                p = reuse_plan(a.cost_graph, old, budget_bytes, self._options, measure)
+                if p is not None:
+                    log.info("%s: the plan made at other inputs fits these (predicted %d of %d bytes): kept",
+                             type(model).__name__, p.predicted_peak_bytes, budget_bytes)
+                    return p, rewrite_plan(model, a.traced.gm, p), a.traced
+        if self._plans:
+            log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
+                        type(model).__name__, _describe(args, kwargs), budget_bytes)
+        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure)
         return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
-    def forward(self, *args, **kwargs):
-        model = self._model[0]
-        if not (self.training and torch.is_grad_enabled()):
-            return model(*args, **kwargs)
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+            warnings.warn(message, stacklevel=4)
+
+    def _take_over(self) -> None:
+        """Hugging Face's own gradient checkpointing (gradient_checkpointing_enable(), Trainer's
+        gradient_checkpointing=True), enabled before or after remat, is turned off, once said: the
+        plan is made for the model without it and fits the budget; both at once would recompute
+        twice, and a capture through it would count a peak the step never has."""
+        model = self.model
+        if getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+            self._warn_once("hf", f"{type(model).__name__}: Hugging Face gradient checkpointing was enabled; remat "
+                                  "turned it off and checkpoints by its own plan, which fits the budget")
+
+    def __call__(self, args: tuple, kwargs: dict):
+        """The installed forward (runtime.dropin): the planned graph in a training step, else the
+        model's own forward."""
+        model = self.model
+        original = model.__dict__["forward"].original
+        if self._bypass or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        self._take_over()
+        if not model.training:
+            self._warn_once("eval", f"{type(model).__name__} is in eval mode with gradients enabled: remat runs its "
+                                    "own forward without a plan, so a backward here is not held to the budget. Call "
+                                    "model.train() to train, or run inference under torch.no_grad()")
+            return original(*args, **kwargs)
         self.plan_for(*args, **kwargs)
         p, gm, traced = self._plans[self._last]
         if gm is None:
             with checkpointing(model, [p.node_names[r.start] for r in p.regions]):
-                return model(*args, **kwargs)
-        if gm.training != self.training:
-            gm.train(self.training)
+                return original(*args, **kwargs)
+        if gm.training != model.training:
+            gm.train(model.training)
         with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views
             return gm(**traced.inputs(model, args, kwargs))
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    leaves = tree_flatten((args, kwargs))[0]
+    return ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in leaves
+                     if isinstance(x, torch.Tensor))[:200]
 
 
 def _check_matches(plan: Plan, traced, named: dict) -> None:
@@ -304,21 +372,31 @@ def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
     return p, replay.module(p.regions), a.traced
 
 
-def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,
+def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None, example_kwargs=None,
                   loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
                   compile: bool | dict = False, optimizer: torch.optim.Optimizer | None = None,
-                  time: bool = False) -> RematModule:
-    """Wrap `model` so that one training step fits `budget` at the least recompute: a number of GB
-    (10^9 bytes) or a string as the CLI takes it ('24GB', '8GiB', '500MB', or '40%' of the step's
-    unplanned peak, resolved per input shape).
+                  time: bool = False, budget=None) -> torch.nn.Module:
+    """Plan activation checkpointing into `model` so that one training step fits `budget_gb`, at
+    the least recompute, and return `model` itself (the same object: its class, attributes,
+    methods, forward signature, hooks, parameters and `state_dict()` are unchanged).
 
-    With example inputs the plan is made now (errors surface here); without, at the first call.
-    The budget covers parameters, gradients, inputs, activations and the loss: pass `loss_fn`
-    (output -> scalar) to have the loss planned exactly, else room is left for a loss that keeps
-    one tensor of the output's size. Pass `optimizer` (over the model's parameters, configured as
-    it will train) to budget the whole step: its state, live throughout, and `optimizer.step()`'s
-    temporaries after backward, measured on fake tensors. `options.accumulation_steps` > 1 plans
-    a micro-step of gradient accumulation (every gradient live from its start).
+    `budget_gb`: a number of GB (10^9 bytes) or a string as the CLI takes it ('24GB', '8GiB',
+    '500MB', or '40%' of the step's unplanned peak); `budget=` is the same argument by its older
+    name. The budget is bytes, resolved once: a '%' budget becomes bytes at the first plan and
+    serves the whole run. `model.remat` holds the plans (`model.remat.plan`); `model.remat.remove()`
+    (or `runtime.remove(model)`) takes the plan out. In eval mode or under no_grad (evaluation,
+    `generate`) the model's own forward runs.
+
+    With example inputs the plan is made now (errors surface here): pass the largest batch the
+    run will see (the longest padded length); later shapes keep that plan while it fits them
+    (checked by one prediction, no solve). Without example inputs the model plans at its first
+    training call. The budget covers parameters, gradients, inputs, activations and the loss:
+    pass `loss_fn` (output -> scalar) to have the loss planned exactly, else room is left for a
+    loss that keeps one tensor of the output's size (a Hugging Face model's `out.loss` is found by
+    itself). Pass `optimizer` (over the model's parameters, configured as it will train) to budget
+    the whole step: its state, live throughout, and `optimizer.step()`'s temporaries after
+    backward, measured on fake tensors. `options.accumulation_steps` > 1 plans a micro-step of
+    gradient accumulation (every gradient live from its start).
 
     `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
@@ -326,36 +404,58 @@ def plan_and_wrap(model: torch.nn.Module, budget, *, example_inputs=None, exampl
     what else to save; the plan's predicted peak is that measured peak.
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
-    them (`RematModule.time_plan`): `plan.meta["timing"]`, and a line of `plan.summary()`, give
-    the measured overhead beside the predicted one.
+    them (`Remat.time_plan`): `plan.meta["timing"]`, and a line of `plan.summary()`, give the
+    measured overhead beside the predicted one.
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    >>> w = plan_and_wrap(m, 1.0, example_inputs=(torch.randn(32, 64),))
-    >>> w.plan.regions, w.state_dict().keys() == m.state_dict().keys()
-    ((), True)
+    >>> w = plan_and_wrap(m, budget_gb=1.0, example_inputs=(torch.randn(32, 64),))
+    >>> w is m, w.remat.plan.regions
+    (True, ())
     """
+    if budget_gb is not None and budget is not None:
+        raise BudgetError("plan_and_wrap() takes one budget: budget_gb= or its older name budget=, not both")
+    if budget_gb is None and budget is None:
+        raise BudgetError("plan_and_wrap() needs a budget: budget_gb=24 (GB), or a string such as '24GB' or '40%'")
+    budget = as_budget(budget_gb if budget is None else budget)
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed.py)
-        return distributed.wrap_model(model, as_budget(budget), example_inputs, example_kwargs, loss_fn, options,
+        return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
-    wrapped = RematModule(model, as_budget(budget), loss_fn, options, compile_kwargs, optimizer)
+    state = Remat(model, budget, loss_fn, options, compile_kwargs, optimizer)
+    dropin.install(model, state)
     if example_inputs is not None or example_kwargs is not None:
-        wrapped.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
-        if time:
-            wrapped.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
+        try:
+            state.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
+            if time:
+                state.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
+        except BaseException:
+            dropin.remove(model)          # a failed plan leaves the model as it was
+            raise
     elif time:
+        dropin.remove(model)
         raise ValueError("time=True times the plan on the example inputs: pass example_inputs or example_kwargs")
-    return wrapped
+    return model
 
 
 def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kwargs=None,
-          loss_fn: Callable | None = None, options: PlanOptions = PlanOptions()) -> RematModule:
-    """Wrap `model` with a plan made elsewhere (on a laptop, on a `meta` copy of the model: see
-    `Plan.to_json` / `Plan.from_json`), for inputs shaped like the plan's; no re-planning. The
-    example inputs (real, fake or meta tensors of the training shapes) are traced to check that
-    graph and inputs are the plan's (PlanMismatchError otherwise). Inputs of other shapes are
-    planned as plan_and_wrap does, for the plan's budget."""
-    wrapped = RematModule(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)
-    wrapped.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
-    return wrapped
+          loss_fn: Callable | None = None, options: PlanOptions = PlanOptions()) -> torch.nn.Module:
+    """Install a plan made elsewhere (on a laptop, on a `meta` copy of the model: see
+    `Plan.to_json` / `Plan.from_json`) into `model`, for inputs shaped like the plan's; no
+    re-planning; returns `model`. The example inputs (real, fake or meta tensors of the training
+    shapes) are traced to check that graph and inputs are the plan's (PlanMismatchError
+    otherwise). Inputs of other shapes keep the plan while it fits them, else are planned as
+    plan_and_wrap does, for the plan's budget."""
+    state = Remat(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)
+    dropin.install(model, state)
+    try:
+        state.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
+    except BaseException:
+        dropin.remove(model)
+        raise
+    return model
+
+
+def remove(model: torch.nn.Module) -> torch.nn.Module:
+    """Take remat's plan out of `model` (runtime.dropin.remove): it runs as before plan_and_wrap."""
+    return dropin.remove(model)

@@ -275,33 +275,31 @@ def _plain_optimizer(optimizer, model, plain):
     return type(optimizer)(groups)       # each group carries every hyperparameter
 
 
-class DistributedRemat(torch.nn.Module):
-    """`model` (sharded with fully_shard, or a DDP wrapper) with checkpoint regions planned per
-    rank inside its units. Calls the model itself, so its hooks run; registers its children,
-    parameters and buffers under their own names (state_dict keys unchanged)."""
+class DistributedRemat:
+    """remat's state on a model sharded with fully_shard, or a DDP wrapper, as `model.remat`: the
+    plan (per rank) and its cost graph. The regions live inside the units' forwards (GraphForward),
+    so the model itself, with its hooks, runs them."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, cost_graph):
-        super().__init__()
-        adopt(self, model)
-        self._model = (model,)
-        self.plan, self.cost_graph = plan, cost_graph
-        self.train(model.training)
+        self.model, self.plan, self.cost_graph = model, plan, cost_graph
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self._model[0].train(mode)
-        return self
-
-    def forward(self, *args, **kwargs):
-        return self._model[0](*args, **kwargs)
+    def remove(self) -> torch.nn.Module:
+        """The units' own forwards back; returns the model as it was before plan_and_wrap."""
+        _uninstall(self.model)
+        self.model.__dict__.pop("remat", None)
+        return self.model
 
 
-def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss_fn: Callable | None,
-         options: PlanOptions, optimizer=None) -> DistributedRemat:
-    """plan_and_wrap for FSDP2 and DDP models (runtime.api delegates here)."""
+def _uninstall(model: torch.nn.Module) -> None:
     for m in model.modules():                 # a model wrapped before is planned as it is without remat
         if isinstance(m.__dict__.get("forward"), GraphForward):
             del m.__dict__["forward"]
+
+
+def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss_fn: Callable | None,
+         options: PlanOptions, optimizer=None) -> torch.nn.Module:
+    """plan_and_wrap for FSDP2 and DDP models (runtime.api delegates here)."""
+    _uninstall(model)
     cg, plain, a = plan_step(model, args, kwargs, loss_fn, options, optimizer)
     plan = Plan.from_json(_agreed(lambda: _solve(cg, budget, options, a.traced.opaque)).to_json())
     plan.meta["units"] = [c.unit for c in cg.nodes]
@@ -318,11 +316,12 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
         assert n == len(plan.regions), "a region runs outside the fully_shard units"
     log.info("%s (%s, %d ranks): %d regions, predicted %.3f GB per rank", type(model).__name__, engine(model),
              _world(), len(plan.regions), plan.predicted_peak_bytes / 1e9)
-    return DistributedRemat(model, plan, cg)
+    model.__dict__["remat"] = DistributedRemat(model, plan, cg)
+    return model
 
 
 def wrap_model(model, budget: Budget, example_inputs, example_kwargs, loss_fn, options: PlanOptions,
-               compile, optimizer) -> DistributedRemat:
+               compile, optimizer) -> torch.nn.Module:
     """`runtime.plan_and_wrap` for an FSDP2 or DDP model: planned now, on the local batch."""
     if example_inputs is None and example_kwargs is None:
         raise ValueError(f"{type(model).__name__} is data-parallel ({engine(model)}): pass example_inputs (this "

@@ -175,13 +175,13 @@ class Planned:
         """Parameters, grads, buffers and inputs plus `fraction` of the activation memory (the
         unplanned peak beyond them), as benchmarks/zoo.py plans the zoo."""
         fixed = fixed_bytes(self.pristine, self.example)
-        return int(fixed + fraction * (self.unplanned.plan.unplanned_peak_bytes - fixed))
+        return int(fixed + fraction * (self.unplanned.remat.plan.unplanned_peak_bytes - fixed))
 
     def floor(self, fraction: float = 0.5) -> int:
         """The smallest feasible budget remat reports, planning at `activation_budget(fraction)`:
         the plan's min_feasible_bytes, or the InfeasibleBudgetError's."""
         w = self.at(self.activation_budget(fraction))
-        return w.min_feasible_bytes if isinstance(w, InfeasibleBudgetError) else w.plan.min_feasible_bytes
+        return w.min_feasible_bytes if isinstance(w, InfeasibleBudgetError) else w.remat.plan.min_feasible_bytes
 
 
 _ZOO: dict[str, Planned] = {}

@@ -146,8 +146,8 @@ def run_config(rank: int, config: str, out_dir: str) -> dict:
     params = {n.removeprefix("module."): _full(p.detach()) for n, p in m.named_parameters()}
     if rank == 0:
         torch.save((grads, params), os.path.join(out_dir, f"{config}-rank0.pt"))
-    return {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
-            "regions": len(w.plan.regions), "unplanned": w.plan.unplanned_peak_bytes,
+    return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.remat.plan.regions), "unplanned": w.remat.plan.unplanned_peak_bytes,
             "resharded_after_forward": all(resharded[1:])}
 
 
@@ -176,8 +176,8 @@ def _mixed(m, local) -> dict:
         else:
             peak = allocator_peak(lambda: loss_fn(w(local)).backward(), [_local(p) for p in m.parameters()], local)
     diff = max((_full(p.grad) - _full(q.grad)).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
-    return {"budget": w.plan.budget_bytes, "predicted": w.plan.predicted_peak_bytes, "measured": peak,
-            "regions": len(w.plan.regions), "grad_diff_vs_fsdp": diff}
+    return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.remat.plan.regions), "grad_diff_vs_fsdp": diff}
 
 
 def oracle(config: str):

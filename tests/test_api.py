@@ -51,7 +51,7 @@ def test_state_dict_parameters_and_optimizer_are_the_originals():
     keys = list(model.state_dict().keys())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = plan_and_wrap(model, 0.02, example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     assert list(wrapped.state_dict().keys()) == keys
     assert [id(p) for p in wrapped.parameters()] == [id(p) for p in model.parameters()]
     before = model.h[0].mlp.c_fc.weight.detach().clone()
@@ -68,15 +68,15 @@ def test_lazy_planning_and_a_plan_per_shape():
     ex = examples.gpt2(n_layer=2, seq_len=64)
     wrapped = plan_and_wrap(ex.model, 0.01, loss_fn=None, options=FAST)
     with pytest.raises(RuntimeError, match="no plan yet"):
-        wrapped.plan
+        wrapped.remat.plan
     x1 = ex.inputs[0]
     wrapped(x1).float().mean().backward()
-    first = wrapped.plan
+    first = wrapped.remat.plan
     x2 = x1[:, :32].contiguous()
     wrapped(x2).float().mean().backward()
-    assert len(wrapped.plans) == 2 and wrapped.plan is not first
+    assert len(wrapped.remat.plans) == 2 and wrapped.remat.plan is not first
     wrapped(x1).float().mean().backward()
-    assert wrapped.plan is first                      # cached, not planned again
+    assert wrapped.remat.plan is first                      # cached, not planned again
     assert any("no loss_fn given" in n for n in first.notes)
 
 
@@ -86,7 +86,7 @@ def test_eval_and_no_grad_run_the_original_model(case):
     ref = examples.resnet().model
     wrapped = plan_and_wrap(ex.model, case("resnet").budget(0.6) / 1e9, example_inputs=ex.inputs,
                             loss_fn=ex.loss_fn, options=FAST)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     wrapped.eval()
     ref.eval()
     torch.testing.assert_close(wrapped(*ex.inputs), ref(*ex.inputs))
@@ -130,8 +130,8 @@ def test_untraceable_submodule_becomes_opaque_and_still_trains_identically():
     assert "control flow" in a.traced.opaque[0][1]
     unplanned = plan(model, 10.0, example_inputs=(x,)).unplanned_peak_bytes
     wrapped = plan_and_wrap(model, unplanned * 0.9 / 1e9, example_inputs=(x,), options=FAST)
-    assert wrapped.plan.regions and wrapped.plan.opaque[0][0] == "b"
-    assert "opaque module b" in wrapped.plan.summary()
+    assert wrapped.remat.plan.regions and wrapped.remat.plan.opaque[0][0] == "b"
+    assert "opaque module b" in wrapped.remat.plan.summary()
     wrapped(x).sum().backward()
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -198,7 +198,7 @@ def test_keyword_inputs_and_dict_outputs():
     full = plan(model, 10.0, example_kwargs={"x": x, "scale": scale}, loss_fn=loss_fn).unplanned_peak_bytes
     wrapped = plan_and_wrap(model, full * 0.7 / 1e9, example_kwargs={"x": x, "scale": scale},
                             loss_fn=loss_fn, options=FAST)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     out = wrapped(x=x, scale=scale)
     assert set(out) == {"logits", "hidden"}
     loss_fn(out).backward()
@@ -235,11 +235,11 @@ def test_modules_drawing_python_random_numbers_are_not_recomputed():
 # ------------------------------------------------------------------ budgets as people write them
 def test_budget_strings_are_the_cli_forms():
     ex = examples.mlp(batch=256, width=256, depth=6)   # floor: 66% of its peak
-    unplanned = plan_and_wrap(ex.model, 10.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn).plan.unplanned_peak_bytes
+    unplanned = plan_and_wrap(ex.model, 10.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn).remat.plan.unplanned_peak_bytes
     w = plan_and_wrap(ex.model, "80%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
-    assert w.plan.budget_bytes == int(0.8 * unplanned) and w.plan.regions
+    assert w.remat.plan.budget_bytes == int(0.8 * unplanned) and w.remat.plan.regions
     mib = plan_and_wrap(ex.model, f"{unplanned / 2**20:.3f}MiB", example_inputs=ex.inputs, loss_fn=ex.loss_fn)
-    assert mib.plan.budget_bytes == int(float(f"{unplanned / 2**20:.3f}") * 2**20) and not mib.plan.regions
+    assert mib.remat.plan.budget_bytes == int(float(f"{unplanned / 2**20:.3f}") * 2**20) and not mib.remat.plan.regions
 
 
 def test_the_floor_in_the_message_fits_when_typed_back_in():
@@ -253,7 +253,7 @@ def test_the_floor_in_the_message_fits_when_typed_back_in():
     floor = re.search(r"at least ([0-9.]+ MiB)", message).group(1)
     assert float(floor.split()[0]) * 2**20 >= e.value.min_feasible_bytes
     w = plan_and_wrap(ex.model, floor.replace(" ", ""), example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
-    assert w.plan.predicted_peak_bytes <= w.plan.budget_bytes
+    assert w.remat.plan.predicted_peak_bytes <= w.remat.plan.budget_bytes
 
 
 def test_a_forward_that_raises_is_the_models_own_error():
@@ -277,10 +277,10 @@ def test_a_pickled_wrapped_model_loads_and_trains_identically():
         torch.save(w, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    loaded.set_loss_fn(ex.loss_fn)
+    loaded.remat.set_loss_fn(ex.loss_fn)
     for m in (w, loaded):
         ex.loss_fn(m(*ex.inputs)).backward()
-    assert loaded.plan.regions == w.plan.regions
+    assert loaded.remat.plan.regions == w.remat.plan.regions
     for p, q in zip(w.parameters(), loaded.parameters()):
         assert torch.equal(p.grad, q.grad)
 
@@ -317,7 +317,7 @@ def test_a_plan_made_on_meta_applies_to_the_real_model():
     real = examples.mlp(batch=256, width=256, depth=6)
     planned = plan_and_wrap(real.model, p.budget_bytes / 1e9, example_inputs=real.inputs, loss_fn=real.loss_fn)
     w = apply(real.model, Plan.from_json(p.to_json()), example_inputs=real.inputs, loss_fn=real.loss_fn)
-    assert w.plan.regions == p.regions
+    assert w.remat.plan.regions == p.regions
     grads = []
     for m in (w, planned):
         real.model.zero_grad(set_to_none=True)
@@ -350,13 +350,14 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
     opt.step()                                         # the state exists, as in every later step
     opt.zero_grad(set_to_none=True)
     options = PlanOptions(accumulation_steps=accumulation, solve=FAST.solve)
-    free = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt, options=options)
-    without = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=options)
+    free = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
+                         options=options).remat.plan
+    without = plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=options).remat.plan
     state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values())
-    assert free.plan.predicted_peak_bytes >= without.plan.predicted_peak_bytes + state
-    w = plan_and_wrap(ex.model, int(0.85 * free.plan.predicted_peak_bytes) / 1e9, example_inputs=ex.inputs,
+    assert free.predicted_peak_bytes >= without.predicted_peak_bytes + state
+    w = plan_and_wrap(ex.model, int(0.85 * free.predicted_peak_bytes) / 1e9, example_inputs=ex.inputs,
                       loss_fn=ex.loss_fn, optimizer=opt, options=options)
-    assert w.plan.regions and w.plan.peak_phase in ("forward", "backward", "optimizer step")
+    assert w.remat.plan.regions and w.remat.plan.peak_phase in ("forward", "backward", "optimizer step")
 
     def whole_step():
         for _ in range(accumulation):
@@ -365,5 +366,5 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
         opt.zero_grad(set_to_none=True)
     tensors = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     measured = peak_memory(whole_step, ex.model, *ex.inputs, *tensors)
-    assert measured <= w.plan.budget_bytes
-    assert measured <= w.plan.predicted_peak_bytes <= 1.05 * measured
+    assert measured <= w.remat.plan.budget_bytes
+    assert measured <= w.remat.plan.predicted_peak_bytes <= 1.05 * measured

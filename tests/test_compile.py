@@ -47,7 +47,7 @@ def test_compiled_plan_fits_and_trains_like_the_original(case, name):
     c = case(name)
     budget = c.budget(0.7)
     ex, ref, model, wrapped = _compiled(name, budget)
-    plan = wrapped.plan
+    plan = wrapped.remat.plan
     assert plan.regions and not any(r.saved for r in plan.regions)
     assert plan.predicted_peak_bytes <= budget
     assert "compiled step" in " ".join(plan.notes)

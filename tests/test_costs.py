@@ -114,7 +114,7 @@ def test_the_runtime_plans_with_its_own_regions_overheads(cache_dir):
     w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn,
                       options=PlanOptions(solve=FAST.solve, cost_model="measured"))
     cached = json.loads(cache_path(torch.device("cpu")).read_text())[OVERHEADS]
-    assert cached["probe"] == REGION_PROBE.name and w.plan.meta["costs"]["overheads"] == f"measured: {REGION_PROBE.name}"
+    assert cached["probe"] == REGION_PROBE.name and w.remat.plan.meta["costs"]["overheads"] == f"measured: {REGION_PROBE.name}"
     assert all(cached[k] >= 0 for k in ("region_s", "saved_tensor_s", "sac_op_s"))
 
 
@@ -124,7 +124,7 @@ def test_a_region_recompute_formats_no_traceback(monkeypatch):
     calls its forward."""
     ex = small_mlp()
     w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
-    assert len(w.plan.regions) >= 1
+    assert len(w.remat.plan.regions) >= 1
     extracted = []
     real = traceback.StackSummary.extract
     monkeypatch.setattr(traceback.StackSummary, "extract", lambda *a, **k: extracted.append(1) or real(*a, **k))
@@ -153,10 +153,10 @@ def test_timing_a_plan_leaves_the_model_as_it_was_and_reports_both_overheads():
     ex = examples.resnet(blocks=(1, 1), width=8, image=16, batch=4)    # BatchNorm: buffers a step writes
     ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
     w = plan_and_wrap(model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, time=True)
-    t = w.plan.meta["timing"]
+    t = w.remat.plan.meta["timing"]
     assert t["rounds"] == 7 and t["ratio_low"] <= t["ratio"] <= t["ratio_high"] and t["unplanned_s"] > 0
-    assert t["predicted_extra_s"] == w.plan.recompute_s and t["cost_model"] == "roofline"
-    assert "timed: step" in w.plan.summary() and "predicted" in t["text"]
+    assert t["predicted_extra_s"] == w.remat.plan.recompute_s and t["cost_model"] == "roofline"
+    assert "timed: step" in w.remat.plan.summary() and "predicted" in t["text"]
     assert all(p.grad is None for p in model.parameters())
     for a, b in zip(ref.buffers(), model.buffers()):
         assert torch.equal(a, b)                          # running statistics untouched by the timed steps
@@ -166,7 +166,7 @@ def test_timing_a_plan_leaves_the_model_as_it_was_and_reports_both_overheads():
     ex.loss_fn(w(*ex.inputs)).backward()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
-    assert w.plan_for(*ex.inputs).meta["timing"] == t      # the timed plan is the one cached
+    assert w.remat.plan_for(*ex.inputs).meta["timing"] == t      # the timed plan is the one cached
 
 
 def test_time_needs_example_inputs():
@@ -242,9 +242,9 @@ def test_timing_a_model_in_eval_mode_times_its_training_step_and_leaves_it_in_ev
     ex = examples.resnet(blocks=(1,), width=8, image=16, batch=4)
     model = copy.deepcopy(ex.model).eval()
     w = plan_and_wrap(model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, time=True)
-    assert w.plan.regions and w.plan.meta["timing"]["rounds"] == 7
+    assert w.remat.plan.regions and w.remat.plan.meta["timing"]["rounds"] == 7
     assert not w.training and not any(m.training for m in model.modules())
-    assert len(w.plans) == 1          # timing planned nothing more: it ran in the modes planned for
+    assert len(w.remat.plans) == 1          # timing planned nothing more: it ran in the modes planned for
 
 
 def test_the_cli_times_eager_steps_only(capsys):

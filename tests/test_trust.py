@@ -67,8 +67,8 @@ def _fits(wrapped, budget, inputs, loss_fn, *extra):
     for p in wrapped.parameters():
         p.grad = None
     measured = peak_memory(lambda: loss_fn(wrapped(*inputs)).backward(), wrapped, *inputs, *extra)
-    predicted = wrapped.plan.predicted_peak_bytes
-    assert measured <= budget, f"measured {measured} over the budget {budget} (predicted {predicted}, {wrapped.plan.regions})"
+    predicted = wrapped.remat.plan.predicted_peak_bytes
+    assert measured <= budget, f"measured {measured} over the budget {budget} (predicted {predicted}, {wrapped.remat.plan.regions})"
     assert measured <= predicted <= 1.05 * measured, f"predicted {predicted}, measured {measured}"
 
 
@@ -97,11 +97,11 @@ def test_a_model_wrapped_in_eval_mode_trains_in_train_mode():
     x = torch.randn(128, 64)
     model.eval()                                   # as from_pretrained returns it
     wrapped, budget = _wrap_at(model, (x,), _mean_square(model), 0.3)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     assert not model.training and not model.bn.training, "planning leaves the model's modes as they were"
     wrapped.train()
     _same_training(ref, wrapped, (x,), _mean_square)
-    assert len(wrapped.plans) == 1, "the plan made in eval mode is the training plan"
+    assert len(wrapped.remat.plans) == 1, "the plan made in eval mode is the training plan"
     _fits(wrapped, budget, (x,), _mean_square(wrapped))
 
 
@@ -113,7 +113,7 @@ def test_plans_are_keyed_on_the_modes_of_the_step():
     wrapped.train()
     model.bn.eval()                                # a frozen BatchNorm: another step
     wrapped(x).sum().backward()
-    assert len(wrapped.plans) == 2
+    assert len(wrapped.remat.plans) == 2
 
 
 class ReadsAndUpdatesBuffer(nn.Module):
@@ -197,7 +197,7 @@ def test_spectral_norm_recomputes_from_the_vectors_its_forward_saw():
     ref = copy.deepcopy(model)
     x = torch.randn(128, 64)
     wrapped, budget = _wrap_at(model, (x,), _mean_square(model), 0.0)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     _same_training(ref, wrapped, (x,), _mean_square)
     _fits(wrapped, budget, (x,), _mean_square(wrapped))
     torch.manual_seed(0)
@@ -268,9 +268,9 @@ def test_non_tensor_inputs_are_keyed_by_value_not_by_repr():
     x = torch.randn(8, 32)
     for _ in range(4):
         wrapped(x, Config(2.0)).sum().backward()
-    assert len(wrapped.plans) == 1
+    assert len(wrapped.remat.plans) == 1
     wrapped(x, Config(3.0)).sum().backward()
-    assert len(wrapped.plans) == 2, "another value is another plan"
+    assert len(wrapped.remat.plans) == 2, "another value is another plan"
 
 
 def test_ops_outside_torchs_namespaces_are_random_unless_declared():
@@ -393,12 +393,12 @@ def test_opaque_modules_are_predicted_as_measured(opaque):
     wrapped = [plan_and_wrap(copy.deepcopy(model), 1.0, example_inputs=(x,), loss_fn=_mean_square(model))]
     wrapped += [_wrap_at(copy.deepcopy(model), (x,), _mean_square(model), f)[0] for f in fractions]
     for w in wrapped:
-        assert [m for m, _ in w.plan.opaque] == ["1"]
+        assert [m for m, _ in w.remat.plan.opaque] == ["1"]
         _same_training(copy.deepcopy(model), w, (x,), _mean_square, steps=1)
         for p in w.parameters():
             p.grad = None
         measured = peak_memory(lambda: _mean_square(w)(w(x)).backward(), w, x)
-        assert measured == w.plan.predicted_peak_bytes <= w.plan.budget_bytes, w.plan.regions
+        assert measured == w.remat.plan.predicted_peak_bytes <= w.remat.plan.budget_bytes, w.remat.plan.regions
 
 def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
     """CPU native_batch_norm returns a contiguous output for a transposed (N, C, L) input; its meta
@@ -513,7 +513,7 @@ def test_a_random_branch_is_planned_for_its_larger_draw_whatever_the_rng():
         torch.manual_seed(seed)
         model.zero_grad(set_to_none=True)
         measured = peak_memory(lambda: w(x).square().mean().backward(), model, x)
-        assert measured <= w.plan.predicted_peak_bytes
+        assert measured <= w.remat.plan.predicted_peak_bytes
 
 
 class _Attention(nn.Module):
@@ -560,7 +560,7 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
             x = torch.randn(2, 96, 64, dtype=dtype)
         cg = analyze(model, (x,)).cost_graph
         # planned with the exact replay: regions recomputed in backward run the same kernel on meta
-        plan = plan_and_wrap(model, "85%", example_inputs=(x,), options=no_op_cost).plan
+        plan = plan_and_wrap(model, "85%", example_inputs=(x,), options=no_op_cost).remat.plan
         assert plan.regions, device
         graphs[device] = ([replace(n, ops=0, cost_s=0.0) for n in cg.nodes], cg.storages, cg.fixed_bytes,
                           plan.predicted_peak_bytes, [(r.start, r.end, r.saved) for r in plan.regions])
@@ -701,4 +701,4 @@ def test_a_layer_norm_model_under_autocast_fits_as_predicted():
                 wrapped = plan_and_wrap(wrapped, budget / 1e9, example_inputs=(x,), loss_fn=_square, options=FAST)
         _same_autocast_step(copy.deepcopy(model), wrapped, (x,), _square, True)
         measured = peak_memory(lambda: _autocast_step(wrapped, (x,), _square, True), wrapped, x)
-        assert measured == wrapped.plan.predicted_peak_bytes <= budget
+        assert measured == wrapped.remat.plan.predicted_peak_bytes <= budget

@@ -27,7 +27,7 @@ def test_fits_and_trains_identically(case, builtin, name, fraction):
     b = builtin(name)
     wrapped = b.at(budget)
     assert not isinstance(wrapped, Exception), wrapped
-    plan = wrapped.plan
+    plan = wrapped.remat.plan
     assert plan.regions, "a budget below the unplanned peak needs checkpointing"
     assert plan.predicted_peak_bytes <= budget
 
@@ -72,9 +72,9 @@ def test_budget_above_unplanned_peak_means_no_regions(case):
     ref, model = c.fresh()
     wrapped = plan_and_wrap(model, c.unplanned * 1.5 / 1e9, example_inputs=c.example.inputs,
                             loss_fn=c.example.loss_fn, options=FAST)
-    assert wrapped.plan.regions == ()
-    assert wrapped.plan.solver == "none"
-    gm = wrapped._plans[wrapped._last][1]
+    assert wrapped.remat.plan.regions == ()
+    assert wrapped.remat.plan.solver == "none"
+    gm = wrapped.remat._plans[wrapped.remat._last][1]
     assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("remat_region")]
     out_ref, _ = train_step(ref, c.example)
     out, _ = train_step(wrapped, c.example)

@@ -36,7 +36,7 @@ def test_architecture_plans_fits_and_trains_identically(zoo_case, name):
     c = zoo_case(name)
     ex, budget = c.example, c.activation_budget(0.5)
     wrapped, planned_at = c.fitted(budget)     # where no plan fits 50%, planned at the smallest feasible budget
-    assert wrapped.plan.trace_path == PATHS.get(name, "torch.export")
+    assert wrapped.remat.plan.trace_path == PATHS.get(name, "torch.export")
     ref = copy.deepcopy(c.pristine)
     with preserved(wrapped):                   # the cached plan's model stays as it was
         ref_out, ref_rng = _step(ref, ex)
@@ -52,17 +52,17 @@ def test_architecture_plans_fits_and_trains_identically(zoo_case, name):
     assert diff == 0.0 and torch.equal(ref_rng, rng)    # outputs, loss, grads, buffers; RNG after
     assert measured <= planned_at, f"{name}: measured {measured} over {planned_at}"
     assert planned_at >= budget
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
 
 
 def test_untraceable_parts_are_named(zoo_case):
     c = zoo_case("layerdrop")   # `torch.rand(()) < p` blocks: fx would freeze the draw
     wrapped, _ = c.fitted(c.activation_budget(0.5))
-    assert {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} <= {m for m, _ in wrapped.plan.opaque}
+    assert {"blocks.0", "blocks.1", "blocks.2", "blocks.3"} <= {m for m, _ in wrapped.remat.plan.opaque}
     wrapped = plan_and_wrap(ZOO["dyn-loop"]().model, 1e6, example_inputs=ZOO["dyn-loop"]().inputs)
-    assert [m for m, _ in wrapped.plan.opaque] == ["3"]
-    assert "control flow" in wrapped.plan.opaque[0][1]
-    assert "GuardOnDataDependentSymNode" in dict(wrapped.plan.meta["trace_attempts"])["torch.export"]
+    assert [m for m, _ in wrapped.remat.plan.opaque] == ["3"]
+    assert "control flow" in wrapped.remat.plan.opaque[0][1]
+    assert "GuardOnDataDependentSymNode" in dict(wrapped.remat.plan.meta["trace_attempts"])["torch.export"]
 
 
 def _pair(name: str, **kw):
@@ -70,11 +70,11 @@ def _pair(name: str, **kw):
     ex = ZOO[name](**kw)
     ref = copy.deepcopy(ex.model)
     probe = plan_and_wrap(copy.deepcopy(ex.model), 1e6, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
-                          loss_fn=ex.loss_fn, options=FAST).plan
+                          loss_fn=ex.loss_fn, options=FAST).remat.plan
     budget = 0.75 * probe.unplanned_peak_bytes / 1e9
     wrapped = plan_and_wrap(ex.model, budget, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
                             loss_fn=ex.loss_fn, options=FAST)
-    assert wrapped.plan.regions
+    assert wrapped.remat.plan.regions
     return ex, ref, wrapped
 
 
@@ -97,12 +97,12 @@ def test_autocast_bf16_replans_and_matches(name):
         with torch.autocast("cpu", dtype=torch.bfloat16):      # are cached per context, so they count
             planned_step(wrapped, ex)
     measured = peak_memory(step, wrapped, ex.inputs, ex.kwargs)
-    assert measured <= wrapped.plan.predicted_peak_bytes <= wrapped.plan.budget_bytes
-    assert wrapped.plan.predicted_peak_bytes <= 1.05 * measured      # the accuracy contract (test_accuracy.py)
+    assert measured <= wrapped.remat.plan.predicted_peak_bytes <= wrapped.remat.plan.budget_bytes
+    assert wrapped.remat.plan.predicted_peak_bytes <= 1.05 * measured      # the accuracy contract (test_accuracy.py)
     wrapped.zero_grad(set_to_none=True)
-    assert len(wrapped.plans) == 2     # fp32 (planned at wrap) and bf16 activations
+    assert len(wrapped.remat.plans) == 2     # fp32 (planned at wrap) and bf16 activations
     _same_step(ex, ref, wrapped)       # and back to fp32, the first plan again
-    assert len(wrapped.plans) == 2
+    assert len(wrapped.remat.plans) == 2
 
 
 def test_no_grad_and_eval_run_the_original():
@@ -111,15 +111,15 @@ def test_no_grad_and_eval_run_the_original():
         a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
     assert type(a) is type(b)
     ref.eval(), wrapped.eval()
-    assert not wrapped._model[0].training
+    assert not wrapped.training
     a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
-    assert len(wrapped.plans) == 1
+    assert len(wrapped.remat.plans) == 1
 
 
 def test_tied_weights_stay_tied():
     ex, ref, wrapped = _pair("hf-gpt2")
-    model = wrapped._model[0]
+    model = wrapped
     assert model.lm_head.weight is model.transformer.wte.weight
     _same_step(ex, ref, wrapped)
     names = [n for n, _ in wrapped.named_parameters()]
@@ -148,9 +148,9 @@ def test_new_shape_replans():
     ex, ref, wrapped = _pair("hf-gpt2")
     short = ZOO["hf-gpt2"](seq_len=32)
     _same_step(short, ref, wrapped)
-    assert len(wrapped.plans) == 2
+    assert len(wrapped.remat.plans) == 2
     _same_step(ex, ref, wrapped)
-    assert len(wrapped.plans) == 2
+    assert len(wrapped.remat.plans) == 2
 
 
 def test_hugging_face_cache_output_is_turned_off_as_hf_does():
@@ -162,8 +162,8 @@ def test_hugging_face_cache_output_is_turned_off_as_hf_does():
     ref = copy.deepcopy(model)
     ids = torch.randint(256, (2, 32))
     wrapped = plan_and_wrap(model, 1e6, example_kwargs={"input_ids": ids, "labels": ids})
-    assert wrapped.plan.trace_path == "torch.export"
-    assert "use_cache=False" in dict(wrapped.plan.meta["trace_attempts"])["torch.export as called"]
+    assert wrapped.remat.plan.trace_path == "torch.export"
+    assert "use_cache=False" in dict(wrapped.remat.plan.meta["trace_attempts"])["torch.export as called"]
     torch.manual_seed(1)
     a = ref(input_ids=ids, labels=ids)
     torch.manual_seed(1)

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from planner.opaque import stand_in
-from planner.state import named_tensors
+from planner.state import instance_forwards, named_tensors
 from planner.step import fake_step, run_step, training_loss
 from planner.storage import LiveBytes
 
@@ -22,21 +22,17 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
     """Opaque modules (fake tensors cannot run them) run as their measured stand-ins."""
     mods = [gm.get_submodule(m) for m in opaque]
     states = [named_tensors(m) for m in mods]              # taken before the model is made fake
-    def patched(mod, state, example):
+    patched: dict = {}
+
+    def stood_in(mod, state, example):
         def forward(*args, **kwargs):
-            del mod.forward                  # the measurement runs the module's own forward
-            try:
+            with instance_forwards({mod: None}):      # the measurement runs the module's own forward
                 return stand_in(mod, state, args, kwargs, example)[0]
-            finally:
-                mod.forward = forward
         return forward
     for name, mod, state in zip(opaque, mods, states):
-        mod.forward = patched(mod, state, examples.get(name))
-    try:
+        patched[mod] = stood_in(mod, state, examples.get(name))
+    with instance_forwards(patched):
         yield
-    finally:
-        for mod in mods:
-            del mod.forward
 
 
 def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[str, ...] = (),

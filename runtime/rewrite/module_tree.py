@@ -20,7 +20,7 @@ from planner.errors import InfeasibleBudgetError
 from planner.fit import replay_margin
 from planner.modules import ModuleProfile, profile_modules, solve_units
 from planner.result import Plan, Region
-from planner.state import step_preserved, training_modes
+from planner.state import instance_forwards, step_preserved, training_modes
 from planner.step import run_step, training_loss
 
 from ..measure import peak_memory
@@ -43,13 +43,8 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
     """While inside, each named submodule's forward runs under checkpoint (BN buffers restored
     after a recompute); outside, the model is untouched."""
     mods = [model.get_submodule(n) for n in names]
-    for m in mods:
-        m.forward = _checkpointed(m, m.forward)     # an instance attribute shadows the method
-    try:
+    with instance_forwards({m: _checkpointed(m, m.forward) for m in mods}):
         yield
-    finally:
-        for m in mods:
-            del m.forward
 
 
 def measure_step(model, args, kwargs, loss_fn, names, grads: bool = False) -> int:
