@@ -6,10 +6,11 @@ import logging
 import pickle
 import warnings
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
 
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget
@@ -77,10 +78,32 @@ def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) 
            _parameter_key(model) if model is not None else ()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            key.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+            key.append(_TensorKey(tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
         else:
             key.append(_value_key(x))
     return tuple(key)
+
+
+class _TensorKey(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+
+def _covers(big: tuple, small: tuple) -> bool:
+    """`big` and `small` (`_shape_key`s) differ only in tensor sizes, each of `small`'s at most
+    `big`'s (NOTE [ covered shapes ] in Remat._covered)."""
+    if len(big) != len(small):
+        return False
+    for b, s in zip(big, small):
+        if isinstance(b, _TensorKey) and isinstance(s, _TensorKey):
+            if b._replace(shape=()) != s._replace(shape=()) or len(b.shape) != len(s.shape) \
+                    or any(j > i for i, j in zip(b.shape, s.shape)):
+                return False
+        elif b != s:
+            return False
+    return True
 
 
 def _parameter_key(model: torch.nn.Module) -> tuple:
@@ -143,6 +166,9 @@ class Remat:
         self._last: tuple | None = None
         self._bypass = 0                       # > 0 while remat itself runs the model (capture, timing)
         self._warned: set[str] = set()
+        self.forward: dropin.PlannedForward | None = None   # set by dropin.install
+        self.solves = 0                        # plans made by a solve (not kept from other inputs)
+        self._largest: dict[str, tuple] = {}    # input (by keyword path) -> largest sizes planned for
 
     def __getstate__(self):
         """Pickled (torch.save) without its plans: they hold traced graphs, and are made again for
@@ -150,7 +176,7 @@ class Remat:
         is left out, with a warning: the loaded model then plans with the stand-in loss (room for
         a tensor of the output's size) until `set_loss_fn` gives it one."""
         state = dict(self.__dict__)
-        state["_plans"], state["_last"], state["_bypass"] = {}, None, 0
+        state["_plans"], state["_last"], state["_bypass"], state["_largest"] = {}, None, 0, {}
         if self._loss_fn is not None:
             try:
                 pickle.dumps(self._loss_fn)
@@ -182,11 +208,9 @@ class Remat:
     def bypassed(self):
         """Inside, `model(...)` runs the model's own forward, as it was before remat installed its
         own (remat capturing or timing it: a tracer sees the user's forward, not remat's)."""
-        forward = self.model.__dict__.get("forward")
-        own = forward.inner if isinstance(forward, dropin.PlannedForward) else forward
         self._bypass += 1
         try:
-            with instance_forwards({self.model: own}):
+            with instance_forwards({self.model: self.forward.inner}):
                 yield
         finally:
             self._bypass -= 1
@@ -198,12 +222,54 @@ class Remat:
         key = _shape_key(args, kwargs, model)
         if key not in self._plans:
             try:
-                with self.bypassed():
-                    self._plans[key] = self._make_plan(model, args, kwargs)
+                # planning inside a user's dispatch mode (a memory meter around the step) is not seen by it
+                with self.bypassed(), _disable_current_modes():
+                    self._plans[key] = self._covered(key, args, kwargs) or self._grown(key, args, kwargs) \
+                        or self._make_plan(model, args, kwargs)
             except InfeasibleBudgetError as e:     # sizes in the unit the budget was written in
                 raise e.in_unit(self.budget.unit) from None
         self._last = key
         return self._plans[key][0]
+
+    def _covered(self, key: tuple, args: tuple, kwargs: dict) -> tuple | None:
+        """The plan of a larger call of the same kind (every input dimension at least as large:
+        the longest padded batch), applied to this one's graph, or None. NOTE [ covered shapes ]:
+        every tensor of a step grows with its inputs' dimensions, so a plan that fits the larger
+        call fits this one. An fx graph serves it as it is; an exported one (its shapes baked in) is
+        captured again. Nothing is profiled or solved."""
+        model = self.model
+        for big, (plan, gm, traced) in self._plans.items():
+            if gm is None or self._compile is not None or not _covers(big, key):
+                continue
+            if traced.in_spec is None:       # fx: the graph reads sizes at run time, it serves any shape
+                return plan, gm, traced
+            traced, _ = self._capture(args, kwargs)
+            if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
+                return None        # another graph at this shape (a branch on a size): planned as new
+            log.info("%s: inputs %s are covered by the plan made for larger ones: kept", type(model).__name__,
+                     _describe(args, kwargs))
+            return plan, rewrite_plan(model, traced.gm, plan), traced
+        return None
+
+    def _grown(self, key: tuple, args: tuple, kwargs: dict) -> tuple | None:
+        """A call of a new kind (another keyword, autocast) at sizes below the largest this run has
+        planned (a padded batch shorter than the longest): planned once at those largest sizes,
+        then applied here as a covered call, so that the run's later batches of this kind keep it.
+        None when no input grows, or the grown call's graph is not this one's."""
+        g_args, g_kwargs = _grow(args, kwargs, self._largest)
+        if g_args is None:
+            return None
+        g_key = _shape_key(g_args, g_kwargs, self.model)
+        if g_key not in self._plans:
+            self._plans[g_key] = self._make_plan(self.model, g_args, g_kwargs)
+        return self._covered(key, args, kwargs)
+
+    def _capture(self, args: tuple, kwargs: dict):
+        """(Traced, named inputs) of the model's own forward on these inputs, its state untouched."""
+        model = self.model
+        with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
+            traced = capture(model, args, kwargs)
+            return traced, traced.inputs(model, args, kwargs)
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> Plan:
         """Train inputs like these with `plan` (made elsewhere: `Plan.from_json`), without
@@ -217,9 +283,7 @@ class Remat:
                 raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
             self._plans[key] = (plan, None, None)
         else:
-            with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
-                traced = capture(model, args, kwargs)
-                named = traced.inputs(model, args, kwargs)
+            traced, named = self._capture(args, kwargs)
             _check_matches(plan, traced, named)
             self._plans[key] = (plan, rewrite_plan(model, traced.gm, plan), traced)
         self._last = key
@@ -264,6 +328,12 @@ class Remat:
 
     def _make_plan(self, model, args, kwargs) -> tuple:
         """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
+        for path, x in tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor):
+                name = keystr(path)
+                old = self._largest.get(name)
+                self._largest[name] = tuple(x.shape) if old is None or len(old) != x.dim() else \
+                    tuple(max(a, b) for a, b in zip(old, x.shape))
         try:
             a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
         except TraceError as e:             # no graph at all: plan over the module tree
@@ -273,10 +343,12 @@ class Remat:
             log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
                         type(model).__name__, e.cause)
             p = plan_modules(model, args, kwargs, self._loss_fn, self.budget, self._options, e.cause, self._optimizer)
+            self.solves += 1
             self._resolved(p.unplanned_peak_bytes)
             return p, None, None
         budget_bytes = self._resolved(unplanned_peak_bytes(a.cost_graph, self._options))
         if self._compile is not None:
+            self.solves += 1
             return _plan_compiled(model, a, budget_bytes, self._loss_fn, self._options, self._compile)
         measure = ExactReplay(model, a, self._loss_fn)
         for old, _, traced in list(self._plans.values()):
@@ -289,6 +361,7 @@ class Remat:
         if self._plans:
             log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
                         type(model).__name__, _describe(args, kwargs), budget_bytes)
+        self.solves += 1
         p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure)
         return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
@@ -304,8 +377,9 @@ class Remat:
         plan is made for the model without it and fits the budget; both at once would recompute
         twice, and a capture through it would count a peak the step never has."""
         model = self.model
-        if getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_disable()
+        name = "activation" if hasattr(type(model), "is_activation_checkpointing") else "gradient"   # transformers 5
+        if getattr(model, f"is_{name}_checkpointing", False):
+            getattr(model, f"{name}_checkpointing_disable")()
             self._warn_once("hf", f"{type(model).__name__}: Hugging Face gradient checkpointing was enabled; remat "
                                   "turned it off and checkpoints by its own plan, which fits the budget")
 
@@ -313,7 +387,7 @@ class Remat:
         """The installed forward (runtime.dropin): the planned graph in a training step, else the
         model's own forward."""
         model = self.model
-        original = model.__dict__["forward"].original
+        original = self.forward.original
         if self._bypass or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         self._take_over()
@@ -331,6 +405,26 @@ class Remat:
             gm.train(model.training)
         with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views
             return gm(**traced.inputs(model, args, kwargs))
+
+
+def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
+    """(args, kwargs) with each tensor grown to the largest sizes its input (by keyword path) had
+    in a planned call, repeating its last slice along each grown dimension (a padded batch stays
+    one: masks keep their values' kind); (None, None) when none grows."""
+    grew = False
+
+    def grow(path, x):
+        nonlocal grew
+        big = largest.get(keystr(path)) if isinstance(x, torch.Tensor) else None
+        if big is None or len(big) != x.dim() or any(b < n for b, n in zip(big, x.shape)):
+            return x
+        for d, (b, n) in enumerate(zip(big, x.shape)):
+            if b > n and n > 0:
+                grew = True
+                x = x.index_select(d, torch.arange(b, device=x.device).clamp_(max=n - 1))
+        return x
+    out = tree_map_with_path(grow, (args, kwargs))
+    return out if grew else (None, None)
 
 
 def _describe(args: tuple, kwargs: dict) -> str:
@@ -423,7 +517,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
                                       compile, optimizer)
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
     state = Remat(model, budget, loss_fn, options, compile_kwargs, optimizer)
-    dropin.install(model, state)
+    state.forward = dropin.install(model, state)
     if example_inputs is not None or example_kwargs is not None:
         try:
             state.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
@@ -447,7 +541,7 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kw
     otherwise). Inputs of other shapes keep the plan while it fits them, else are planned as
     plan_and_wrap does, for the plan's budget."""
     state = Remat(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)
-    dropin.install(model, state)
+    state.forward = dropin.install(model, state)
     try:
         state.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
     except BaseException:

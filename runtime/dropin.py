@@ -72,17 +72,18 @@ def installed(model: torch.nn.Module):
     return model.__dict__.get(ATTR)
 
 
-def install(model: torch.nn.Module, state) -> None:
+def install(model: torch.nn.Module, state) -> PlannedForward:
     """`model.forward` runs `state`; `model.remat` is `state`. A model planned before is re-planned
-    (its state replaced, its own forward kept)."""
+    (its state replaced, its own forward kept). Returns the installed forward."""
     own = model.__dict__.get(ATTR)
     if own is None and (ATTR in model.__dict__ or hasattr(type(model), ATTR) or ATTR in model._modules
                         or ATTR in model._parameters or ATTR in model._buffers):
         raise AttributeError(f"{type(model).__name__} has its own attribute {ATTR!r}: remat keeps its plans there")
     forward = model.__dict__.get("forward")
     if not isinstance(forward, PlannedForward):
-        model.__dict__["forward"] = PlannedForward(model, forward)
+        forward = model.__dict__["forward"] = PlannedForward(model, forward)
     model.__dict__[ATTR] = state
+    return forward
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
