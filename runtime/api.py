@@ -15,7 +15,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget
 from planner.api import analyze_for, input_signature
-from planner.errors import BudgetError, InfeasibleBudgetError, PlanMismatchError, TraceError
+from planner.errors import BudgetError, InfeasibleBudgetError, RematError, PlanMismatchError, TraceError
 from planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
 from planner.profile import compute_nodes
 from planner.result import Plan
@@ -261,7 +261,12 @@ class Remat:
             return None
         g_key = _shape_key(g_args, g_kwargs, self.model)
         if g_key not in self._plans:
-            self._plans[g_key] = self._make_plan(self.model, g_args, g_kwargs)
+            try:
+                self._plans[g_key] = self._make_plan(self.model, g_args, g_kwargs)
+            except RematError as e:       # the grown call does not plan: this one is planned as it is
+                log.info("%s: no plan at the run's largest sizes (%s); planning these inputs as they are",
+                         type(self.model).__name__, e)
+                return None
         return self._covered(key, args, kwargs)
 
     def _capture(self, args: tuple, kwargs: dict):
