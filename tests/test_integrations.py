@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +202,23 @@ def test_the_wrapped_model_keeps_its_signature_and_copies():
     assert inspect.signature(model.forward) == sig
     twin = copy.deepcopy(model)
     assert twin.remat.model is twin and twin.forward.__self__ is twin
+
+
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "INTEGRATIONS.md"
+SNIPPETS = re.findall(r"^## (.+?)\n```python\n(.*?)^```", _DOC.read_text(), re.S | re.M)
+
+
+@pytest.mark.parametrize("title,code", SNIPPETS, ids=[t for t, _ in SNIPPETS])
+def test_the_integrations_guide_runs(title, code, tmp_path, monkeypatch):
+    """Each example of docs/INTEGRATIONS.md runs as written, in a fresh folder."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("lightning")
+    import accelerate
+    accelerate.state.AcceleratorState._reset_state(True)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, f"{_DOC.name}: {title}", "exec"), namespace)
+    model = namespace.get("model")
+    net = namespace["trainer"].lightning_module.net if "LM" in namespace else model
+    net = getattr(net, "module", net)
+    assert net.remat.plans, f"{title}: trained without a plan"
