@@ -100,9 +100,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
     pb = _Problem(cg, budget_bytes, options, [], None, {}, {}, measure, margin)
     unplanned = pb.predict(())
-    base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
-                node_names=tuple(c.name for c in cg.nodes),
-                total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
+    base = _base(cg, budget_bytes, unplanned, opaque)
     # the simulator is exact on the unplanned step, except for what it does not model (compiled code)
     replay_unplanned = measure is not None and (unplanned <= budget_bytes or not measure.eager)
     measured = pb.measured(()) if replay_unplanned else None
@@ -141,7 +139,19 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
                             recompute_s=tl.recompute_s, **base))
     if choice.solver not in ("ilp", "none"):
         log.info("plan for %d bytes: the hand-made plan %r (%s)", budget_bytes, choice.solver, choice.status)
-    added = margin - 1.0 if measure else options.safety_margin
+    return _noted(plan, pb)
+
+
+def _base(cg: CostGraph, budget_bytes: int, unplanned: int, opaque) -> dict:
+    """The Plan fields that depend on the graph and the budget, not on the regions."""
+    return dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, opaque=tuple(opaque),
+                node_names=tuple(c.name for c in cg.nodes),
+                total_flops=sum(c.flops for c in cg.nodes), forward_s=sum(c.cost_s for c in cg.nodes))
+
+
+def _noted(plan: Plan, pb: _Problem) -> Plan:
+    """`plan` with a note on where its predicted peak comes from, and the margin added to it."""
+    added = pb.margin - 1.0 if pb.measure else pb.options.safety_margin
     return replace(plan, notes=plan.notes + (f"predicted peak: {pb.source}" + (f", plus {added:.0%}" if added else ""),))
 
 
@@ -290,11 +300,8 @@ def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOption
     if predicted > budget_bytes:
         return None
     tl = timeline(cg, plan.regions)
-    added = margin - 1.0 if measure else options.safety_margin
-    p = _finish(cg, Plan(regions=plan.regions, budget_bytes=int(budget_bytes), predicted_peak_bytes=predicted,
-                         unplanned_peak_bytes=pb.predict(()), min_feasible_bytes=None, solver=plan.solver,
-                         status="reused: the plan made at other inputs fits these", gap=plan.gap, solve_s=0.0,
-                         recompute_flops=tl.recompute_flops, total_flops=sum(c.flops for c in cg.nodes),
-                         recompute_s=tl.recompute_s, forward_s=sum(c.cost_s for c in cg.nodes),
-                         node_names=names, opaque=plan.opaque))
-    return replace(p, notes=p.notes + (f"predicted peak: {pb.source}" + (f", plus {added:.0%}" if added else ""),))
+    return _noted(_finish(cg, Plan(regions=plan.regions, predicted_peak_bytes=predicted, min_feasible_bytes=None,
+                                   solver=plan.solver, status="reused: the plan made at other inputs fits these",
+                                   gap=plan.gap, solve_s=0.0, recompute_flops=tl.recompute_flops,
+                                   recompute_s=tl.recompute_s, **_base(cg, int(budget_bytes), pb.predict(()),
+                                                                      plan.opaque))), pb)

@@ -235,13 +235,13 @@ class Remat:
         """The plan of a larger call of the same kind (every input dimension at least as large:
         the longest padded batch), applied to this one's graph, or None. NOTE [ covered shapes ]:
         every tensor of a step grows with its inputs' dimensions, so a plan that fits the larger
-        call fits this one. An fx graph serves it as it is; an exported one (its shapes baked in) is
-        captured again. Nothing is profiled or solved."""
+        call fits this one. A module-tree plan and an fx graph serve it as they are; an exported
+        graph (its shapes baked in) is captured again. Nothing is profiled or solved."""
         model = self.model
         for big, (plan, gm, traced) in self._plans.items():
-            if gm is None or self._compile is not None or not _covers(big, key):
+            if self._compile is not None or not _covers(big, key):
                 continue
-            if traced.in_spec is None:       # fx: the graph reads sizes at run time, it serves any shape
+            if traced is None or traced.in_spec is None:   # the module tree, or fx (sizes read at run time)
                 return plan, gm, traced
             traced, _ = self._capture(args, kwargs)
             if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
@@ -332,13 +332,18 @@ class Remat:
         return int(self.budget.value)
 
     def _make_plan(self, model, args, kwargs) -> tuple:
-        """(plan, graph to run or None for the module tree, Traced) for inputs like these."""
+        """(plan, graph to run or None for the module tree, Traced) for inputs like these; their
+        sizes join the largest this run has planned for (`_grown`)."""
+        made = self._new_plan(model, args, kwargs)
         for path, x in tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(x, torch.Tensor):
                 name = keystr(path)
                 old = self._largest.get(name)
                 self._largest[name] = tuple(x.shape) if old is None or len(old) != x.dim() else \
                     tuple(max(a, b) for a, b in zip(old, x.shape))
+        return made
+
+    def _new_plan(self, model, args, kwargs) -> tuple:
         try:
             a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
         except TraceError as e:             # no graph at all: plan over the module tree
@@ -395,7 +400,6 @@ class Remat:
         original = self.forward.original
         if self._bypass or not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        self._take_over()
         if not model.training:
             self._warn_once("eval", f"{type(model).__name__} is in eval mode with gradients enabled: remat runs its "
                                     "own forward without a plan, so a backward here is not held to the budget. Call "
@@ -520,21 +524,31 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed.py)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
+    if time and example_inputs is None and example_kwargs is None:
+        raise ValueError("time=True times the plan on the example inputs: pass example_inputs or example_kwargs")
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
-    state = Remat(model, budget, loss_fn, options, compile_kwargs, optimizer)
-    state.forward = dropin.install(model, state)
-    if example_inputs is not None or example_kwargs is not None:
-        try:
+    with _installed(model, Remat(model, budget, loss_fn, options, compile_kwargs, optimizer)) as state:
+        if example_inputs is not None or example_kwargs is not None:
             state.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
             if time:
                 state.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
-        except BaseException:
-            dropin.remove(model)          # a failed plan leaves the model as it was
-            raise
-    elif time:
-        dropin.remove(model)
-        raise ValueError("time=True times the plan on the example inputs: pass example_inputs or example_kwargs")
     return model
+
+
+@contextlib.contextmanager
+def _installed(model: torch.nn.Module, state: Remat):
+    """`state` installed in `model` (runtime.dropin) for the block and after it; if the block
+    raises (a budget no plan fits), the model is left as it was: its earlier plan, or none."""
+    earlier = dropin.installed(model)
+    state.forward = dropin.install(model, state)
+    try:
+        yield state
+    except BaseException:
+        if isinstance(earlier, Remat):
+            dropin.install(model, earlier)
+        else:
+            dropin.remove(model)
+        raise
 
 
 def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kwargs=None,
@@ -545,13 +559,8 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kw
     shapes) are traced to check that graph and inputs are the plan's (PlanMismatchError
     otherwise). Inputs of other shapes keep the plan while it fits them, else are planned as
     plan_and_wrap does, for the plan's budget."""
-    state = Remat(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)
-    state.forward = dropin.install(model, state)
-    try:
+    with _installed(model, Remat(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)) as state:
         state.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
-    except BaseException:
-        dropin.remove(model)
-        raise
     return model
 
 

@@ -42,6 +42,21 @@ def test_the_cards_call_returns_the_users_model():
         remove(model)
 
 
+def test_a_failed_plan_leaves_the_model_as_it_was():
+    ex = _mlp()
+    before = dict(ex.model.__dict__)
+    with pytest.raises(InfeasibleBudgetError):
+        plan_and_wrap(ex.model, budget_gb=1e-6, example_inputs=ex.inputs, loss_fn=ex.loss_fn)
+    assert ex.model.__dict__ == before
+    plan_and_wrap(ex.model, "85%", example_inputs=ex.inputs, loss_fn=ex.loss_fn)
+    planned = ex.model.remat
+    with pytest.raises(InfeasibleBudgetError):             # re-planned too tight: the earlier plan stays
+        plan_and_wrap(ex.model, budget_gb=1e-6, example_inputs=ex.inputs, loss_fn=ex.loss_fn)
+    assert ex.model.remat is planned and ex.model.forward.__self__ is ex.model
+    ex.loss_fn(ex.model(*ex.inputs)).backward()
+    assert ex.model.remat.plan is planned.plan
+
+
 def test_a_budget_once_by_either_name():
     ex = _mlp()
     with pytest.raises(ValueError, match="not both"):

@@ -319,3 +319,22 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
     assert "CBC found none" in sol.status and timeline(cg, sol.regions).peak_bytes == least
     improved = solve.solve_min_peak(cg, SolveOptions())       # the local search from there
     assert timeline(cg, improved.regions).peak_bytes < least
+
+
+def test_reuse_plan_keeps_regions_where_they_fit_and_only_there():
+    """planner.fit.reuse_plan: a plan's regions on the same graph at other sizes, predicted as
+    solve_plan predicts (here the simulator); None where they do not fit or the graph differs."""
+    from planner.fit import reuse_plan
+    big = chain(4, [8, 1, 8, 1], [1, 1, 1000, 1])
+    plan = solve_plan(big, 26 * MB)
+    assert plan.regions
+    small = chain(4, [6, 1, 6, 1], [1, 1, 1000, 1])          # a shorter batch: smaller activations
+    kept = reuse_plan(small, plan, 26 * MB)
+    assert kept.regions == plan.regions and kept.status.startswith("reused") and kept.solve_s == 0.0
+    assert kept.predicted_peak_bytes == math.ceil(timeline(small, plan.regions).peak_bytes
+                                                  * (1 + PlanOptions().safety_margin)) <= 26 * MB
+    assert kept.recompute_flops == timeline(small, plan.regions).recompute_flops
+    larger = chain(4, [20, 1, 20, 1], [1, 1, 1000, 1])
+    assert reuse_plan(larger, plan, 26 * MB) is None            # over the same bytes there: a new solve
+    renamed = dataclasses.replace(small, nodes=tuple(dataclasses.replace(n, name=n.name + "_") for n in small.nodes))
+    assert reuse_plan(renamed, plan, 26 * MB) is None           # another graph
