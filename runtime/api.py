@@ -27,7 +27,7 @@ from planner.trace import capture
 from . import distributed, dropin
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
-from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, adopt, checkpointing, plan_modules, rewrite,
+from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, checkpointing, plan_modules, rewrite,
                       rewrite_plan, view_replay)
 
 

@@ -32,7 +32,7 @@ from planner.profile import compute_nodes
 from planner.result import Plan, Region
 from planner.trace import Traced, trace
 
-from .rewrite import REGION_PROBE, adopt, rewrite, view_replay
+from .rewrite import REGION_PROBE, rewrite, view_replay
 
 log = logging.getLogger("remat.runtime")
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",

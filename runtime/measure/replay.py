@@ -22,16 +22,14 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
     """Opaque modules (fake tensors cannot run them) run as their measured stand-ins."""
     mods = [gm.get_submodule(m) for m in opaque]
     states = [named_tensors(m) for m in mods]              # taken before the model is made fake
-    patched: dict = {}
 
     def stood_in(mod, state, example):
         def forward(*args, **kwargs):
             with instance_forwards({mod: None}):      # the measurement runs the module's own forward
                 return stand_in(mod, state, args, kwargs, example)[0]
         return forward
-    for name, mod, state in zip(opaque, mods, states):
-        patched[mod] = stood_in(mod, state, examples.get(name))
-    with instance_forwards(patched):
+    with instance_forwards({mod: stood_in(mod, state, examples.get(name))
+                            for name, mod, state in zip(opaque, mods, states)}):
         yield
 
 
