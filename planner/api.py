@@ -6,19 +6,20 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .budget import as_budget
 from .costgraph import CostGraph, accumulating, with_optimizer
 from .costs import OverheadProbe
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, TraceError
 from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
-from .opaque import real_inputs
+from .opaque import measured_loss, real_inputs
 from .optimizer import optimizer_memory
-from .profile import ValueDependent, profile
+from .profile import LossValueDependent, ValueDependent, profile
 from .rates import DeviceRates
 from .result import Plan
 from .rng import rng_preserved
-from .state import mode_key, state_preserved, training_modes
+from .state import buffers_restored, mode_key, state_preserved, training_modes
 from .trace import Traced, capture
 
 log = logging.getLogger("remat.planner")
@@ -31,6 +32,7 @@ class Analysis:
     analyze_s: float
     example_inputs: dict      # the graph's inputs by name, as given
     opaque_examples: dict = field(default_factory=dict)   # opaque module -> its real inputs
+    fake_loss: object = None  # the loss as a fake step runs it, when fake tensors cannot run loss_fn
 
 
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
@@ -66,6 +68,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     t0 = time.perf_counter()
+    fake_loss = None
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced = capture(model, args, kwargs)
         named = traced.inputs(model, args, kwargs)
@@ -74,13 +77,16 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
             examples = real_inputs(traced.gm, named, opaque) if opaque else {}
             try:
                 cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output,
-                             frozenset(deterministic_ops), cost_model, overheads)
+                             frozenset(deterministic_ops), cost_model, overheads, dict(traced.fixed))
                 break
-            except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
-                if e.module in opaque:
+            except LossValueDependent as e:    # the loss fake tensors cannot run: measured for real
+                if fake_loss is not None:
                     raise
-                traced = replace(traced, opaque=traced.opaque + ((e.module, f"needs tensor values, which fake tensors do not have ({e.why})"),),
-                                 path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+                fake_loss = loss_fn = measured_loss(loss_fn, _real_output(traced.gm, named))
+                log.info("%s: the loss is measured for real (%s)", type(model).__name__, e.why)
+            except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
+                traced = _opaque_for(model, args, kwargs, traced, e)
+                named = traced.inputs(model, args, kwargs)
     _say_how(model, traced)
     if optimizer is not None:
         mem = optimizer_memory(optimizer, target_device)
@@ -89,7 +95,32 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts],
                            "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
-    return Analysis(traced, cg, time.perf_counter() - t0, named, examples)
+    return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss)
+
+
+def _real_output(gm: torch.nn.Module, named: dict) -> list:
+    """The graph's real output on the example inputs, flattened (a forward without grad: no
+    activations kept; buffers and RNG restored)."""
+    with buffers_restored(gm), torch.no_grad(), rng_preserved():
+        return [x.detach() if isinstance(x, torch.Tensor) else x for x in tree_flatten(gm(**named))[0]]
+
+
+def _opaque_for(model: torch.nn.Module, args: tuple, kwargs: dict, traced: Traced, e: ValueDependent) -> Traced:
+    """`traced` with the module fake tensors could not run (it needs tensor values: `.item()`, a
+    data-dependent shape such as `nonzero` or a boolean mask) as an opaque node, run for real: the
+    node itself when it is a module, else the graph captured again with the module the node is in
+    as an opaque fx leaf (torch.export has no leaves). In the root's own code there is no module
+    to run alone: TraceError, and the runtime plans over the module tree."""
+    why = f"needs tensor values, which fake tensors do not have ({e.why})"
+    if e.module in dict(traced.opaque):
+        raise e
+    if e.node is None:
+        return replace(traced, opaque=traced.opaque + ((e.module, why),),
+                       path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+    if not e.module:
+        raise TraceError(f"{type(model).__name__}.forward", f"node {e.node} of its own code {why}; no submodule "
+                         "holds it, so no graph can be profiled")
+    return capture(model, args, kwargs, opaque={**dict(traced.opaque), e.module: why})
 
 
 def input_signature(named: dict) -> dict:

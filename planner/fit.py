@@ -34,7 +34,6 @@ class Measure(Protocol):
     """The exact peak of one step under a plan, for `solve_plan` (runtime.api.ExactReplay,
     runtime.rewrite.CompiledReplay)."""
     what: str       # how it measures: the plan's notes say so
-    eager: bool     # the simulator is exact on the unplanned step (False: compiled code it does not model)
     rounds: int     # at most this many solves in the budget correction
 
     def __call__(self, regions: tuple[Region, ...]) -> int: ...
@@ -101,12 +100,10 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
     pb = _Problem(cg, budget_bytes, options, [], None, {}, {}, measure, margin)
     unplanned = pb.predict(())
     base = _base(cg, budget_bytes, unplanned, opaque)
-    # the simulator is exact on the unplanned step, except for what it does not model (compiled code)
-    replay_unplanned = measure is not None and (unplanned <= budget_bytes or not measure.eager)
-    measured = pb.measured(()) if replay_unplanned else None
-    # compiled, the measured step is the prediction even where the eager simulator says it does not fit
-    fits = (measured <= budget_bytes if measured is not None and not measure.eager else
-            unplanned <= budget_bytes and (measured is None or measured <= budget_bytes))
+    # with a measure, the step without checkpointing is measured too (NOTE [ one floor ]): where the
+    # simulator is cautious (a peak of parameters and gradients) the measure decides
+    measured = pb.measured(()) if measure is not None else None
+    fits = measured <= budget_bytes if measured is not None else unplanned <= budget_bytes
     if fits:
         return _finish(cg, Plan(regions=(), predicted_peak_bytes=measured or unplanned, min_feasible_bytes=None,
                                 solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0,
@@ -129,9 +126,10 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
         choice = _fit(pb)
     except InfeasibleBudgetError as e:
         raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source) from None
-    if min_feasible is not None:        # corrected as the budget was; never above a plan that fits
-        min_feasible = min(min_feasible + max(0, budget_bytes - choice.effective), choice.predicted,
-                           _replayed_floor(pb))
+    if min_feasible is not None and measure is not None:     # one replayed number: NOTE [ one floor ]
+        min_feasible = min(choice.predicted, _replayed_floor(pb))
+    elif min_feasible is not None:      # the simulator's, corrected as the budget was; never above a plan that fits
+        min_feasible = min(min_feasible + max(0, budget_bytes - choice.effective), choice.predicted)
     tl = timeline(cg, choice.regions)
     plan = _finish(cg, Plan(regions=choice.regions, predicted_peak_bytes=choice.predicted,
                             min_feasible_bytes=min_feasible, solver=choice.solver, status=choice.status,
@@ -208,24 +206,36 @@ def _fit(pb: _Problem) -> Choice:
     return best[1]
 
 
+# NOTE [ one floor ]
+# With a replay, the smallest feasible budget a plan reports (`Plan.min_feasible_bytes`, the CLI's,
+# InfeasibleBudgetError's) is always a replayed peak: of the plan chosen, of the step without
+# checkpointing, or of a known plan (the least-peak ILP's among them). Typed back as the budget, it
+# is met: the plan chosen fits it, and `_known_or_raise` replays the others (the empty plan too)
+# before it refuses. The simulator's least peak is only a guide to which plans to replay.
+
+
 def _replayed_floor(pb: _Problem) -> float:
-    """With a replay, the least replayed peak of the known plans the simulator cannot tell from the
-    least (within its safety margin): plans it ties can replay apart (hf-t5: every block and the
-    least-peak plan simulate to one peak and replay 0.7% apart). Each plan is replayed once."""
-    if pb.measure is None or not pb.peaks:
+    """With a replay, the least replayed peak of the step without checkpointing and of the known
+    plans the simulator cannot tell from the least (within its safety margin): plans it ties can
+    replay apart (hf-t5: every block and the least-peak plan simulate to one peak and replay 0.7%
+    apart). Each plan is replayed once."""
+    if pb.measure is None:
         return math.inf
-    tie = min(pb.peaks.values()) * (1.0 + pb.options.safety_margin)
-    return min(pb.measured(pb.known[k]) for k, p in pb.peaks.items() if p <= tie)
+    tie = min(pb.peaks.values(), default=0) * (1.0 + pb.options.safety_margin)
+    return min([pb.measured(())] + [pb.measured(pb.known[k]) for k, p in pb.peaks.items() if p <= tie])
 
 
 def _known_or_raise(pb: _Problem, effective: int, estimate: int) -> Choice:
     """No solved plan fits: a known plan that fits when replayed exactly, else InfeasibleBudgetError
     with the smallest feasible budget: a replayed known plan's peak (a budget then met for sure),
     or without a replay the simulator's `estimate`."""
-    replayed = {k: (r, pb.measured(r)) for k, r in pb.known.items() if r} if pb.measure is not None else {}
+    plans = {"none": (), **{k: r for k, r in pb.known.items() if r}}   # the step without checkpointing too
+    replayed = {k: (r, pb.measured(r)) for k, r in plans.items()} if pb.measure is not None else {}
     fits = [(pb.predict(r), p, k) for k, (r, p) in replayed.items() if p <= pb.budget]
     if fits:                                   # the simulator was too cautious: take the replay
         _, p, k = min(fits)
+        if k == "none":
+            return Choice((), "none", "fits without checkpointing when replayed exactly", 0.0, p, effective)
         return Choice(pb.known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective)
     floor = min((p for _, p in replayed.values()), default=estimate)
     raise InfeasibleBudgetError(pb.budget, floor, pb.source)

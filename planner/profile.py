@@ -43,10 +43,11 @@ class ValueDependent(RuntimeError):
     `momentum=None` reads `float(num_batches_tracked)`): it must be profiled as an opaque
     module, run for real."""
 
-    def __init__(self, module: str, cause: BaseException):
-        self.module = module
+    def __init__(self, module: str, cause: BaseException, node: str | None = None):
+        self.module = module        # "" for the root's own code
+        self.node = node            # the graph node inside `module` (None: the module is a node itself)
         self.why = f"{type(cause).__name__}: {str(cause).strip().split(chr(10))[0][:200]}"
-        super().__init__(f"{module}: {self.why}")
+        super().__init__(f"{module or 'the model'}{f' (node {node})' if node else ''}: {self.why}")
 _OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outside the fake run
 
 
@@ -184,14 +185,16 @@ class _Runner(fx.Interpreter):
     """Runs the graph node by node, recording per-node forward measurements."""
 
     def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode,
-                 opaque: dict[str, dict[str, torch.Tensor]], examples: dict[str, list]):
+                 opaque: dict[str, dict[str, torch.Tensor]], examples: dict[str, list], fixed: dict[str, str]):
         super().__init__(gm)
         self.opaque = opaque            # opaque module name -> its real parameters and buffers
-        self.not_recomputable: dict[int, str] = {}   # opaque nodes a recompute would get wrong, and why
+        self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
+        # opaque nodes a recompute would get wrong (or that hold their own checkpoint), and why
+        self.not_recomputable: dict[int, str] = {i: fixed[n.target] for n, i in self.index.items()
+                                                 if n.op == "call_module" and n.target in fixed}
         self.host_random: set[int] = set()      # those of them that draw Python/numpy random numbers
         self.examples = examples        # opaque module name -> its real inputs (opaque.real_inputs)
         self.mode, self.flops = mode, flops
-        self.index = {n: i for i, n in enumerate(compute_nodes(gm))}
         self.holders: dict[int, set[int]] = defaultdict(set)
         self.saved_count: dict[int, int] = defaultdict(int)    # node -> tensors its autograd saved
         self.rec: dict[int, dict] = {}
@@ -234,10 +237,10 @@ class _Runner(fx.Interpreter):
             return self.measure(i, lambda: self.run_opaque(n))
         try:
             return self.measure(i, lambda: super(_Runner, self).run_node(n))
-        except VALUE_DEPENDENT as e:
+        except VALUE_DEPENDENT as e:     # run for real instead: this module, or the one the node is in
             if n.op == "call_module":
                 raise ValueDependent(n.target, e) from e
-            raise
+            raise ValueDependent(_module_of(n), e, n.name) from e
 
     def run_opaque(self, n: fx.Node):
         """An opaque module: measured for real in isolation, stood in for on fake tensors."""
@@ -296,7 +299,8 @@ def _module_of(n: fx.Node) -> str:
 def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates | None = None,
             opaque: tuple[str, ...] = (), examples: dict[str, list] | None = None,
             keep_output: bool = False, deterministic_ops: frozenset[str] = frozenset(),
-            cost_model: str = "auto", overheads: OverheadProbe | None = None) -> CostGraph:
+            cost_model: str = "auto", overheads: OverheadProbe | None = None,
+            fixed: dict[str, str] | None = None) -> CostGraph:
     """Profile `gm(**inputs)` followed by `loss_fn(output)` and backward, on fake tensors.
 
     Without `loss_fn`, the loss is the stand-in of `step.training_loss`, so the plan leaves
@@ -309,11 +313,13 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     (`rates`), "measured" (its ops timed on the device), "auto" (measured on a CUDA device that
     is present, else the roofline); `meta["cost_model"]` says which one made the costs. Measured,
     a region's overheads are what `overheads` measures (the runtime's regions), else `rates`'.
+    `fixed`: opaque modules never recomputed (they hold their own checkpoint), by name -> why.
     """
     device = _step_device(gm, inputs)
     rates = rates or DeviceRates.for_device(device)
     cost_model = cost_model_for(cost_model, device)
-    run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops, cost_model == "measured")
+    run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops, cost_model == "measured",
+               fixed or {})
     measured = measured_costs(_calls_by_node(run), device, overheads, rates) if cost_model == "measured" else None
     cg = CostGraph(
         nodes=_node_costs(gm, run, rates, measured), storages=_storage_costs(run),
@@ -359,23 +365,37 @@ class _Run:
 
 
 def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], examples: dict[str, list],
-         keep_output: bool, deterministic_ops: frozenset[str], record_calls: bool = False) -> _Run:
+         keep_output: bool, deterministic_ops: frozenset[str], record_calls: bool = False,
+         fixed: dict[str, str] | None = None) -> _Run:
     """The step on fake tensors, metered node by node: forward, the loss as one more node, backward."""
     with fake_step(gm, inputs) as fake:
         mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops, record_calls=record_calls)
         mode.track_fixed([t.untyped_storage() for t in fake.fixed], [t.untyped_storage() for t in fake.made_from])
         opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
         flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
-        runner = _Runner(gm, mode, flops, opaque_state, examples)
+        runner = _Runner(gm, mode, flops, opaque_state, examples, fixed or {})
         grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
         with flops, mode:
-            bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs),
-                                 lambda out: runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn)),
+            bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs), lambda out: _loss(runner, out, loss_fn),
                                  lambda loss: _backward(loss, runner), keep_output)
             # storages the step made that outlive it (the output when kept: `kept` holds it; a module
             # attribute set in forward, such as the weight spectral_norm's pre-hook computes; a cache)
             held = set(mode.sid.values())
     return _Run(runner, fake, grad_params, bwd, held)
+
+
+class LossValueDependent(ValueDependent):
+    """The loss cannot run on fake tensors (no fake kernel: `ctc_loss`; a value-dependent shape):
+    it is measured for real instead (planner.opaque.measured_loss)."""
+
+
+def _loss(runner: _Runner, out, loss_fn):
+    try:
+        return runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn))
+    except VALUE_DEPENDENT + (NotImplementedError,) as e:   # no fake (meta) kernel: NotImplementedError
+        if loss_fn is None:
+            raise
+        raise LossValueDependent("", e, LOSS) from e
 
 
 def _forward(gm: fx.GraphModule, runner: _Runner, fake_inputs: dict):

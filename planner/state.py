@@ -122,3 +122,23 @@ def instance_forwards(forwards: dict):
                 m.__dict__.pop("forward", None)
             else:
                 m.__dict__["forward"] = fn
+
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def hooks_set(hooks: dict):
+    """Each module's hooks (forward, forward pre, backward, backward pre) are the given dicts
+    inside the block ({}: none), and what they were afterwards. A stand-in of an opaque module
+    on fake tensors runs without them: its measurement ran them for real."""
+    before = {m: {k: getattr(m, k) for k in HOOKS} for m in hooks}
+    for m, d in hooks.items():
+        for k in HOOKS:
+            setattr(m, k, d.get(k, type(before[m][k])()))
+    try:
+        yield before
+    finally:
+        for m, d in before.items():
+            for k, v in d.items():
+                setattr(m, k, v)

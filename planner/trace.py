@@ -25,6 +25,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .errors import ForwardError, TraceError
+from .fidelity import Modes, Unfaithful, hooked_modules, watching
 from .rng import host_rng_moved, host_rng_state
 
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
@@ -43,6 +44,7 @@ class Traced:
     in_spec: pytree.TreeSpec | None = None  # torch.export: how (args, kwargs) flatten onto inputs
     attempts: tuple[tuple[str, str], ...] = ()  # (path, why it was not taken) for the paths tried
     extra_kwargs: dict | None = None        # keyword inputs the graph was captured with (use_cache)
+    fixed: tuple[tuple[str, str], ...] = ()  # opaque leaves that hold their own checkpoint: never recomputed
 
     def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
@@ -105,6 +107,7 @@ class _LeafTracer(fx.Tracer):
 
     def __init__(self, extra_leaves: frozenset[str] = frozenset()):
         super().__init__()
+        self.modes = Modes()    # a grad-mode change, inference mode or torch.func transform: Unfaithful
         # buffers become graph attributes, as parameters do: a read of `self.scale` is read at
         # run time, and an in-place update is a node of the graph (not run once, at trace time)
         self.proxy_buffer_attributes = True
@@ -115,6 +118,11 @@ class _LeafTracer(fx.Tracer):
         if qualname in self.extra_leaves:
             return True
         return super().is_leaf_module(m, qualname) and next(m.children(), None) is None
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
+        if kind.startswith("call_"):
+            self.modes.check()
+        return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
 
     def call_module(self, m, forward, args, kwargs):
         qualname = self.path_of_module(m)
@@ -183,9 +191,13 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
     parameters and buffers are the model's own objects. `extra_kwargs` are passed too, and on
     every call of the graph (`Traced.inputs`).
     """
+    hooked = hooked_modules(model)
+    if hooked:
+        name, why = next(iter(hooked.items()))
+        raise Unfaithful(f"{len(hooked)} hooked submodule(s)", f"{name} {why}")
     a, kw = as_keywords(model, args, {**(extra_kwargs or {}), **kwargs})
     before = _rng_state()
-    with _quiet():
+    with _quiet(), watching(proxies_only=False):
         ep = torch.export.export(model, a, kw, strict=False)
     if not _same(before, _rng_state()):   # torch ops are traced; Python's random and numpy are not
         raise FrozenRandomness("forward draws Python (random/numpy) random numbers; an export would freeze them")
@@ -219,13 +231,17 @@ def _raise_if_forward_fails(model: torch.nn.Module, args: tuple, kwargs: dict) -
         raise ForwardError(type(model).__name__, e) from e
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str, str] | None = None) -> Traced:
     """The best graph of `model(*args, **kwargs)`: fx if it needs no opaque leaves, else
-    torch.export if it succeeds, else fx with opaque leaves. Raises TraceError if none works, or
-    ForwardError when the model's forward raises when run plainly."""
+    torch.export if it succeeds, else fx with opaque leaves. `opaque`: submodules that must be
+    opaque leaves (the profile found they need tensor values), by name -> why; torch.export,
+    which has no leaves, is then not tried. Raises TraceError if none works, or ForwardError when
+    the model's forward raises when run plainly."""
     attempts: list[tuple[str, str]] = []
     try:
-        traced = trace(model, args, kwargs)
+        traced = trace(model, args, kwargs, opaque=opaque)
+        if opaque:
+            return traced
         if all(why == MEASURED_WHY for _, why in traced.opaque):
             return traced
         attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
@@ -254,7 +270,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Traced:
                      "; ".join(f"{p}: {why}" for p, why in attempts))
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 64) -> Traced:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 64,
+          opaque: dict[str, str] | None = None) -> Traced:
     """Trace `model` called as `model(*args, **kwargs)`.
 
     Parameters of `forward` that are not given are fixed to their defaults (fx concrete_args).
@@ -268,12 +285,15 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
         name: p.default for name, p in sig.parameters.items()
         if name not in bound and p.default is not inspect.Parameter.empty
     }
-    opaque: dict[str, str] = {}
+    opaque = dict(opaque or {})
+    fixed: dict[str, str] = {}          # opaque because of their own checkpoint: not recomputed
+    hooked = hooked_modules(model)      # leaves, so that their hooks run when they run
     while True:
-        tracer = _LeafTracer(frozenset(opaque))
+        tracer = _LeafTracer(frozenset(opaque) | frozenset(hooked))
         try:
             before, versions = _rng_state(), _tensor_versions(model)
-            graph = tracer.trace(model, concrete_args=concrete or None)
+            with watching(proxies_only=True):
+                graph = tracer.trace(model, concrete_args=concrete or None)
             if not _same(before, _rng_state()):
                 raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
                                        "while traced; a trace would freeze them")
@@ -286,6 +306,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
             if not where or where in opaque or len(opaque) >= max_opaque:
                 raise TraceError(where or f"{type(model).__name__}.forward", f"{type(e).__name__}: {e}") from e
             opaque[where] = _first_line(e)
+            if isinstance(e, Unfaithful) and not e.recomputable:
+                fixed[where] = f"holds its own checkpoint ({e.construct}); remat does not checkpoint it again"
     for n in graph.nodes:     # modules whose real kernels fake tensors do not model: measured for real
         if n.op == "call_module" and isinstance(tracer.root.get_submodule(n.target), MEASURED_FOR_REAL):
             opaque.setdefault(n.target, MEASURED_WHY)
@@ -293,7 +315,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     opaque = {m: why for m, why in opaque.items() if not any(m.startswith(o + ".") for o in opaque)}
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target in bound)
-    return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx")
+    fixed = {m: why for m, why in fixed.items() if m in opaque}
+    return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx",
+                  fixed=tuple(sorted(fixed.items())))
 
 
 def placeholder_values(gm: fx.GraphModule, named: dict) -> list:

@@ -42,11 +42,10 @@ class ExactReplay:
     model) are stood in for by their measured behaviour, as in the profile (planner.opaque).
     """
     what = "the exact replay on fake tensors"
-    eager = True
     rounds = DEFAULT_ROUNDS
 
     def __init__(self, model: torch.nn.Module, analysis, loss_fn):
-        self.model, self.analysis, self.loss_fn = model, analysis, loss_fn
+        self.model, self.analysis, self.loss_fn = model, analysis, analysis.fake_loss or loss_fn
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from planner.opaque import stand_in
-from planner.state import instance_forwards, named_tensors
+from planner.state import hooks_set, instance_forwards, named_tensors
 from planner.step import fake_step, run_step, training_loss
 from planner.storage import LiveBytes
 
@@ -25,11 +25,14 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
 
     def stood_in(mod, state, example):
         def forward(*args, **kwargs):
-            with instance_forwards({mod: None}):      # the measurement runs the module's own forward
+            # the measurement runs the module's own forward, with its hooks, for real
+            with instance_forwards({mod: None}), hooks_set({mod: hooks[mod]}):
                 return stand_in(mod, state, args, kwargs, example)[0]
         return forward
+    # on fake tensors its hooks do not run around the stand-in (a hook may read values)
     with instance_forwards({mod: stood_in(mod, state, examples.get(name))
-                            for name, mod, state in zip(opaque, mods, states)}):
+                            for name, mod, state in zip(opaque, mods, states)}), \
+            hooks_set({mod: {} for mod in mods}) as hooks:
         yield
 
 

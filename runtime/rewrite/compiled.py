@@ -27,7 +27,6 @@ class CompiledReplay:
     """measure(regions) -> peak bytes of the compiled, rewritten step; compiled modules by plan."""
 
     what = "the compiled step, measured at the allocator (a real step per plan tried)"
-    eager = False       # the simulator does not model it, not even the unplanned step
     rounds = 6          # solves the budget correction may take (planner.fit, NOTE [ budget correction ])
 
     def __init__(self, model: torch.nn.Module, analysis, loss_fn, compile_kwargs: dict):

@@ -342,6 +342,7 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, .
             continue
         if n not in env:
             env[n] = graph.node_copy(n, lambda a: env[a])
+    _own_constants(graph, gm, model)
     graph.lint()
     root: dict = dict(region_modules)
     for n in graph.nodes:
@@ -366,6 +367,23 @@ def _refuse_opaque_kept(opaque: tuple[str, ...], body: list[fx.Node], saved: set
         if n.name in saved and n.op == "call_module" and n.target in opaque:
             raise UnsafePlanError(f"the plan keeps node {n.name!r}, the opaque module {n.target!r}: a SAC policy "
                                   "would cache every op inside it. Re-plan: remat's planner never keeps opaque modules")
+
+
+CONSTANT = "remat_constant_"
+
+
+def _own_constants(graph: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Attributes the capture made that `model` does not have (the constants torch.export lifts
+    onto a submodule: `attn.lifted_tensor_0`, from a list index) are read from the rewritten
+    graph's own top level (`remat_constant_<k>`): it adopts the user's modules, which lack them,
+    and the user's modules stay as they are."""
+    for k, n in enumerate(n for n in graph.nodes if n.op == "get_attr"):
+        try:
+            functools.reduce(getattr, n.target.split("."), model)
+        except AttributeError:
+            value = functools.reduce(getattr, n.target.split("."), gm)
+            n.target = f"{CONSTANT}{k}"
+            setattr(gm, n.target, value)
 
 
 def adopt(out: fx.GraphModule, model: torch.nn.Module) -> None:

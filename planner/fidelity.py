@@ -1,0 +1,103 @@
+"""What a captured graph would lose of a forward's meaning, caught while the graph is captured.
+
+A graph holds tensor ops, and nothing else the forward does. fx and torch.export both record
+a custom `torch.autograd.Function`'s forward ops and lose its backward (a straight-through
+estimator's gradient becomes zero); fx runs `torch.no_grad()` / `set_grad_enabled` /
+`inference_mode` once, at trace time, so the graph backpropagates through a stop-gradient
+branch (torch.export keeps them: its `wrap_with_set_grad_enabled`); saved-tensor hooks (the
+user's own `torch.utils.checkpoint`, offloading) and `torch.func` transforms run at trace time
+only; a module hook's Python side effects (a list of features a loss reads) happen once.
+
+`watching(tracer)` makes each of these raise `Unfaithful` while it is used on traced values;
+planner.trace then takes the module it happened in as an opaque leaf (run as itself, measured
+for real) or the next capture path, and says which and why. Hooks are found before tracing
+(`hooked_modules`): a hooked submodule is a leaf of the graph, so its hooks run when it runs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+
+class Unfaithful(RuntimeError):
+    """A construct a graph would not keep was used on traced values."""
+
+    def __init__(self, construct: str, detail: str, recomputable: bool = True):
+        self.construct = construct
+        self.recomputable = recomputable   # False: the module holds its own checkpoint; not checkpointed again
+        super().__init__(f"{construct}: {detail}")
+
+
+def _proxies(args, kwargs) -> bool:
+    return any(isinstance(x, fx.Proxy) for x in tree_flatten((args, kwargs))[0])
+
+
+@contextlib.contextmanager
+def watching(proxies_only: bool):
+    """Inside, a custom autograd.Function applied (to fx proxies, with `proxies_only`: fx runs
+    Functions on constants at trace time, harmlessly) or saved-tensor hooks entered raise
+    Unfaithful: a graph would keep the Function's forward without its backward, and run the
+    hooks (the user's torch.utils.checkpoint among them) only while it is captured."""
+    function = torch.autograd.Function
+    apply, enter = function.__dict__["apply"], torch.autograd.graph.saved_tensors_hooks.__enter__
+
+    def watched_apply(cls, *args, **kwargs):
+        if not proxies_only or _proxies(args, kwargs):
+            own = cls is torch.utils.checkpoint.CheckpointFunction    # the user's reentrant checkpoint
+            raise Unfaithful(f"custom autograd.Function {cls.__qualname__}",
+                             "a graph records its forward's ops and loses its backward", recomputable=not own)
+        return apply.__func__(cls, *args, **kwargs)
+
+    def watched_enter(self):
+        raise Unfaithful(f"saved-tensor hooks ({type(self).__qualname__})",
+                         "the forward pushes saved-tensor hooks (its own torch.utils.checkpoint, offloading), "
+                         "which a graph runs only while it is captured", recomputable=False)
+    function.apply = classmethod(watched_apply)
+    torch.autograd.graph.saved_tensors_hooks.__enter__ = watched_enter
+    try:
+        yield
+    finally:
+        function.apply = apply
+        torch.autograd.graph.saved_tensors_hooks.__enter__ = enter
+
+
+class Modes:
+    """The grad mode, inference mode and torch.func level a trace starts in; `check` raises
+    Unfaithful when a traced op runs in others (fx would drop the change)."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> tuple:
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                torch._C._functorch.peek_interpreter_stack() is not None)
+
+    def check(self) -> None:
+        now = self._now()
+        if now == self.start:
+            return
+        grad, inference, func = now
+        if func != self.start[2]:
+            raise Unfaithful("a torch.func transform", "a graph records the transformed ops, not the transform")
+        what = "inference_mode" if inference != self.start[1] else ("no_grad/set_grad_enabled(False)" if not grad
+                                                                     else "enable_grad/set_grad_enabled(True)")
+        raise Unfaithful(f"a {what} block", "fx runs a grad-mode change once, at trace time; its graph keeps none")
+
+
+def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
+    """Submodules (not the root: its hooks run around the planned forward) with forward or
+    backward hooks, by qualified name -> why they are leaves: a traced hook runs once, at trace
+    time, and keeps only its tensor ops. Modules nested in a hooked one are left out."""
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not name or any(name.startswith(o + ".") for o in out):
+            continue
+        kinds = [k for k, d in (("forward", m._forward_hooks), ("forward pre", m._forward_pre_hooks),
+                                ("backward", m._backward_hooks), ("backward pre", m._backward_pre_hooks)) if d]
+        if kinds:
+            out[name] = f"has {' and '.join(kinds)} hooks, which a graph would run only while it is captured"
+    return out
