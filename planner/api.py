@@ -20,6 +20,7 @@ from .rates import DeviceRates
 from .result import Plan
 from .rng import rng_preserved
 from .state import buffers_restored, mode_key, state_preserved, training_modes
+from .check import check_capture, skipped
 from .trace import Traced, capture
 
 log = logging.getLogger("remat.planner")
@@ -69,8 +70,9 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     t0 = time.perf_counter()
     fake_loss = None
+    skip: dict[str, str] = {}      # capture paths whose graph failed the capture check, and why
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
-        traced = capture(model, args, kwargs)
+        traced, checked = _checked_capture(model, args, kwargs, None, skip)
         named = traced.inputs(model, args, kwargs)
         while True:
             opaque = tuple(m for m, _ in traced.opaque)
@@ -85,7 +87,12 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
                 fake_loss = loss_fn = measured_loss(loss_fn, _real_output(traced.gm, named))
                 log.info("%s: the loss is measured for real (%s)", type(model).__name__, e.why)
             except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
-                traced = _opaque_for(model, args, kwargs, traced, e)
+                forced = _opaque_for(model, traced, e)
+                if forced is None:
+                    traced = replace(traced, opaque=traced.opaque + ((e.module, _needs_values(e)),),
+                                     path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+                else:
+                    traced, checked = _checked_capture(model, args, kwargs, forced, skip)
                 named = traced.inputs(model, args, kwargs)
     _say_how(model, traced)
     if optimizer is not None:
@@ -93,7 +100,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
     cg = accumulating(cg, accumulation_steps)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
-                           "trace_attempts": [list(a) for a in traced.attempts],
+                           "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
                            "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
     return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss)
 
@@ -105,22 +112,44 @@ def _real_output(gm: torch.nn.Module, named: dict) -> list:
         return [x.detach() if isinstance(x, torch.Tensor) else x for x in tree_flatten(gm(**named))[0]]
 
 
-def _opaque_for(model: torch.nn.Module, args: tuple, kwargs: dict, traced: Traced, e: ValueDependent) -> Traced:
-    """`traced` with the module fake tensors could not run (it needs tensor values: `.item()`, a
-    data-dependent shape such as `nonzero` or a boolean mask) as an opaque node, run for real: the
-    node itself when it is a module, else the graph captured again with the module the node is in
-    as an opaque fx leaf (torch.export has no leaves). In the root's own code there is no module
-    to run alone: TraceError, and the runtime plans over the module tree."""
-    why = f"needs tensor values, which fake tensors do not have ({e.why})"
+def _needs_values(e: ValueDependent) -> str:
+    return f"needs tensor values, which fake tensors do not have ({e.why})"
+
+
+def _opaque_for(model: torch.nn.Module, traced: Traced, e: ValueDependent) -> dict[str, str] | None:
+    """Where fake tensors could not run a node (it needs tensor values: `.item()`, a data-dependent
+    shape such as `nonzero` or a boolean mask), what runs for real instead: None when the node is
+    a module (it becomes an opaque node as it is), else the opaque leaves to capture the graph again
+    with, the module the node is in among them (torch.export has no leaves: fx takes it). In the
+    root's own code there is no module to run alone: TraceError, and the runtime plans over the
+    module tree."""
     if e.module in dict(traced.opaque):
         raise e
     if e.node is None:
-        return replace(traced, opaque=traced.opaque + ((e.module, why),),
-                       path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+        return None
     if not e.module:
-        raise TraceError(f"{type(model).__name__}.forward", f"node {e.node} of its own code {why}; no submodule "
-                         "holds it, so no graph can be profiled")
-    return capture(model, args, kwargs, opaque={**dict(traced.opaque), e.module: why})
+        raise TraceError(f"{type(model).__name__}.forward", f"node {e.node} of its own code {_needs_values(e)}; "
+                         "no submodule holds it, so no graph can be profiled")
+    return {**dict(traced.opaque), e.module: _needs_values(e)}
+
+
+def _checked_capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict | None,
+                     skip: dict[str, str]) -> tuple[Traced, str]:
+    """`capture`, then the capture check (planner.check): a graph that does not compute what the
+    model does is not taken, and the next path is (`skip` records it; TraceError when no path is
+    left: the runtime then plans over the module tree). Returns the graph and how it was checked."""
+    why_not = skipped(args, kwargs, model)
+    while True:
+        traced = capture(model, args, kwargs, opaque, skip)
+        if why_not:
+            return traced, f"skipped: {why_not}"
+        t0 = time.perf_counter()
+        bad = check_capture(model, traced, args, kwargs)
+        if bad is None:
+            return traced, f"passed ({time.perf_counter() - t0:.2f} s)"
+        log.warning("%s: the graph captured by %s does not compute what the model does (%s): not taken",
+                    type(model).__name__, traced.path, bad)
+        skip["torch.export" if traced.path == "torch.export" else "fx"] = f"capture check: {bad}"
 
 
 def input_signature(named: dict) -> dict:

@@ -46,21 +46,45 @@ class ModuleProfile:
     forward_s: float
 
 
+def _blocks(m: torch.nn.Module) -> bool:
+    """A container of repeated blocks: two or more children of one class, each with children of
+    its own (Hugging Face's `layers`, a ResNet stage), not a Sequential of layers."""
+    kids = list(m.children())
+    return (isinstance(m, CONTAINERS) and len(kids) >= 2 and len({type(k) for k in kids}) == 1
+            and all(next(k.children(), None) is not None for k in kids))
+
+
 def units_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The root's children, containers opened: 'embed', 'layers.0', ..., 'head'. A Sequential
-    that is an element of a ModuleList or ModuleDict is a block, kept whole."""
+    """The blocks a person would checkpoint by hand, with the modules between them: the root's
+    children, containers opened, and any child that holds a container of repeated blocks at any
+    depth opened too (a Hugging Face encoder-decoder: 'model.shared', 'model.encoder.layers.0',
+    ..., 'lm_head'). A Sequential that is an element of a ModuleList or ModuleDict is a block,
+    kept whole."""
     out: list[tuple[str, torch.nn.Module]] = []
+    seen: set[int] = set()        # a module under two names (tied embeddings) is one unit
 
     def walk(prefix: str, m: torch.nn.Module):
         for name, child in m.named_children():
             q = f"{prefix}{name}"
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
             block = isinstance(child, torch.nn.Sequential) and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            if isinstance(child, CONTAINERS) and not block:
+            holds_blocks = not isinstance(m, CONTAINERS) and any(_blocks(c) for c in child.modules())
+            if (isinstance(child, CONTAINERS) and not block) or holds_blocks:
                 walk(q + ".", child)
             elif any(p.requires_grad for p in child.parameters()):
                 out.append((q, child))
     walk("", model)
     return out
+
+
+def block_units(model: torch.nn.Module, names: list[str]) -> tuple[int, ...]:
+    """Of `names` (units), the ones that are elements of a container of repeated blocks: what
+    per-block checkpointing (Hugging Face's gradient_checkpointing_enable()) checkpoints."""
+    parents = {n.rpartition(".")[0] for n in names}
+    repeated = {p for p in parents if _blocks(model.get_submodule(p))}
+    return tuple(i for i, n in enumerate(names) if n.rpartition(".")[0] in repeated)
 
 
 class _Observer:
@@ -127,13 +151,14 @@ class _Observer:
                 h.remove()
 
     def result(self) -> tuple[Unit, ...]:
-        """The units that ran, with what checkpointing each frees and adds."""
+        """Every unit, with what checkpointing each frees and adds; one that did not run in this
+        step (a block layer drop skipped) is kept: it runs in others."""
         out, sizes, creator = [], self.sizes, self.creator
         for k, (name, _) in enumerate(self.units):
             freed = sum(sizes.get(s, 0) for s, who in self.savers.items() if who == {k} and creator.get(s) == k)
             added = sum(sizes[s] for s in self.inputs[k] if s not in self.savers)
             out.append(Unit(name, self.calls[k], freed, added, self.per_call[k], self.times[k]))
-        return tuple(u for u in out if u.calls)
+        return tuple(out)
 
 
 def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) -> ModuleProfile:

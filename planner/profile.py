@@ -29,7 +29,7 @@ from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measure
 from .opaque import stand_in
 from .rates import DeviceRates
 from .simulate import timeline
-from .step import FakeState, fake_step, run_step, training_loss
+from .step import FakeState, fake_step, model_loss, run_step, training_loss
 from .storage import LiveBytes, fake_twin, unlinked
 from .trace import placeholder_values
 
@@ -203,6 +203,7 @@ class _Runner(fx.Interpreter):
         self.out_sids: dict[int, set[int]] = {}  # node -> storages its outputs live in
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
+        self.loss_kind = "stand-in"       # or the model's own loss (planner.step.model_loss)
 
     def on_grad(self, i: int):
         """Gradient hook: node i's backward starts when the gradient of its output is complete."""
@@ -328,7 +329,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         sac_op_s=measured.sac_op_s if measured else rates.sac_op_s,
         param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
         meta={"torch": torch.__version__, "nodes": len(run.runner.index),
-              "loss": "given" if loss_fn is not None else "stand-in",
+              "loss": "given" if loss_fn is not None else run.runner.loss_kind,
               "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,
               "deterministic_ops": sorted(deterministic_ops), "device": device.type,
               "cost_model": cost_model, **({"costs": measured.meta} if measured else {})},
@@ -390,6 +391,7 @@ class LossValueDependent(ValueDependent):
 
 
 def _loss(runner: _Runner, out, loss_fn):
+    runner.loss_kind = "stand-in" if loss_fn is None and model_loss(out) is None else "the model's own (out.loss)"
     try:
         return runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn))
     except VALUE_DEPENDENT + (NotImplementedError,) as e:   # no fake (meta) kernel: NotImplementedError

@@ -29,12 +29,23 @@ def tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def model_loss(out) -> torch.Tensor | None:
+    """The loss a model computed itself (a Hugging Face model given `labels`: `out.loss`, as
+    Trainer reads it): a scalar that requires grad, or None."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    ok = isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad
+    return loss if ok else None
+
+
 def training_loss(out, loss_fn=None) -> torch.Tensor:
-    """`loss_fn(out)`; without one, a stand-in loss that keeps one tensor of each output's size
-    for backward (exp saves its result, as cross-entropy keeps its log-softmax), so that a plan
-    leaves room for a loss."""
+    """`loss_fn(out)`; without one, the model's own loss (`model_loss`: `out.loss`), else a
+    stand-in loss that keeps one tensor of each output's size for backward (exp saves its result,
+    as cross-entropy keeps its log-softmax), so that a plan leaves room for a loss."""
     if loss_fn is not None:
         return loss_fn(out)
+    own = model_loss(out)
+    if own is not None:
+        return own
     return sum(t.float().exp().sum() for t in tensors(out) if t.requires_grad)
 
 

@@ -215,6 +215,20 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
     return Traced(gm, names, (), "torch.export", info.in_spec, extra_kwargs=extra_kwargs)
 
 
+def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """{"use_cache": False} when the model's forward takes `use_cache` and this call does not set
+    it (a Hugging Face model), else {}: the key/value cache is never read in training, and Hugging
+    Face turns it off under gradient checkpointing; the module-tree plan does the same."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" not in params or "use_cache" in kwargs:
+        return {}
+    try:
+        given = bind_inputs(model, args, kwargs)
+    except TypeError:
+        return {}
+    return {} if "use_cache" in given else {"use_cache": False}
+
+
 def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
     """Export failed on a cache object in the output, and use_cache is ours to turn off."""
     return ("Cache" in str(e) and "not a known type" in str(e) and "use_cache" not in kwargs
@@ -231,23 +245,32 @@ def _raise_if_forward_fails(model: torch.nn.Module, args: tuple, kwargs: dict) -
         raise ForwardError(type(model).__name__, e) from e
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str, str] | None = None) -> Traced:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str, str] | None = None,
+            skip: dict[str, str] | None = None) -> Traced:
     """The best graph of `model(*args, **kwargs)`: fx if it needs no opaque leaves, else
     torch.export if it succeeds, else fx with opaque leaves. `opaque`: submodules that must be
     opaque leaves (the profile found they need tensor values), by name -> why; torch.export,
-    which has no leaves, is then not tried. Raises TraceError if none works, or ForwardError when
-    the model's forward raises when run plainly."""
-    attempts: list[tuple[str, str]] = []
-    try:
-        traced = trace(model, args, kwargs, opaque=opaque)
-        if opaque:
-            return traced
-        if all(why == MEASURED_WHY for _, why in traced.opaque):
-            return traced
-        attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
-    except TraceError as e:
+    which has no leaves, is then not tried. `skip`: paths ("fx", "torch.export") not to take, by
+    name -> why (the capture check found their graph wrong). Raises TraceError if none works, or
+    ForwardError when the model's forward raises when run plainly."""
+    skip = skip or {}
+    attempts: list[tuple[str, str]] = list(skip.items())
+    if "fx" in skip:
         traced = None
-        attempts.append(("fx", str(e)))
+    else:
+        try:
+            traced = trace(model, args, kwargs, opaque=opaque)
+        except TraceError as e:
+            traced = None
+            attempts.append(("fx", str(e)))
+        else:
+            if opaque or "torch.export" in skip:
+                return replace(traced, attempts=tuple(attempts))
+            if all(why == MEASURED_WHY for _, why in traced.opaque):
+                return traced
+            attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
+    if "torch.export" in skip or opaque:
+        return _last_resort(model, args, kwargs, traced, attempts)
     try:
         return replace(export(model, args, kwargs), attempts=tuple(attempts))
     except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
@@ -263,6 +286,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
                 return replace(exported, attempts=tuple(attempts))
             except Exception as e2:
                 attempts.append(("torch.export with use_cache=False", _first_line(e2)))
+    return _last_resort(model, args, kwargs, traced, attempts)
+
+
+def _last_resort(model, args, kwargs, traced: Traced | None, attempts: list) -> Traced:
+    """fx with opaque leaves when fx traced at all; else ForwardError when the forward itself
+    raises, else TraceError naming what each path said."""
     if traced is not None:
         return replace(traced, attempts=tuple(attempts))
     _raise_if_forward_fails(model, args, kwargs)

@@ -22,7 +22,7 @@ from planner.result import Plan
 from planner.simulate import base_liveness
 from planner.rng import rng_preserved
 from planner.state import instance_forwards, mode_key, state_preserved, training_modes
-from planner.trace import capture
+from planner.trace import cache_off, capture
 
 from . import distributed, dropin
 from .measure import dry_run_peak, preserved, training_loss
@@ -351,7 +351,13 @@ class Remat:
                                           "compile (the module tree is planned, eagerly)") from e
             log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
                         type(model).__name__, e.cause)
-            p = plan_modules(model, args, kwargs, self._loss_fn, self.budget, self._options, e.cause, self._optimizer)
+            extra = cache_off(model, args, kwargs)      # as Hugging Face's own checkpointing does
+            p = plan_modules(model, args, {**kwargs, **extra}, self._loss_fn, self.budget, self._options, e.cause,
+                             self._optimizer)
+            if extra:
+                p = replace(p, meta={**p.meta, "extra_kwargs": extra},
+                            notes=p.notes + ("called with use_cache=False, as Hugging Face does under gradient "
+                                             "checkpointing: the output carries no key/value cache",))
             self.solves += 1
             self._resolved(p.unplanned_peak_bytes)
             return p, None, None
@@ -408,7 +414,7 @@ class Remat:
         p, gm, traced = self._plans[self._last]
         if gm is None:
             with checkpointing(model, [p.node_names[r.start] for r in p.regions]):
-                return original(*args, **kwargs)
+                return original(*args, **{**p.meta.get("extra_kwargs", {}), **kwargs})
         if gm.training != model.training:
             gm.train(model.training)
         with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views

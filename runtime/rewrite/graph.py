@@ -373,7 +373,7 @@ CONSTANT = "remat_constant_"
 
 
 def _own_constants(graph: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module) -> None:
-    """Attributes the capture made that `model` does not have (the constants torch.export lifts
+    """Tensor attributes the capture made that `model` does not have (the constants torch.export lifts
     onto a submodule: `attn.lifted_tensor_0`, from a list index) are read from the rewritten
     graph's own top level (`remat_constant_<k>`): it adopts the user's modules, which lack them,
     and the user's modules stay as they are."""
@@ -382,6 +382,8 @@ def _own_constants(graph: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module) 
             functools.reduce(getattr, n.target.split("."), model)
         except AttributeError:
             value = functools.reduce(getattr, n.target.split("."), gm)
+            if isinstance(value, torch.nn.Module):   # a graph-only module (export's sub-graphs): kept by rewrite
+                continue
             n.target = f"{CONSTANT}{k}"
             setattr(gm, n.target, value)
 

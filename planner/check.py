@@ -1,0 +1,120 @@
+"""The capture check: the captured graph and the model take one step each, and must agree.
+
+Capture can lose meaning in ways no detector lists (planner/fidelity.py catches the known
+ones). Before a graph is profiled, it and the model's own forward run one training step on a
+cheap slice of the example inputs (the first sample, when every batched input shares its first
+dimension and the graph reads sizes at run time; else the inputs as given) under the same seed:
+outputs, and the gradients of a fixed random projection of them with respect to every trainable
+parameter and every input that requires grad, must agree to rounding (relative error at most
+TOLERANCE, and the same gradients missing). Nothing of the model changes (buffers, RNG, `.grad`).
+A disagreement is returned as a sentence; planner.api then takes the next capture path.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .rng import rng_preserved
+from .state import buffers_restored, state_preserved
+from .trace import Traced
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}   # relative; lower precisions: LOW
+LOW = 2e-2
+
+
+def skipped(args: tuple, kwargs: dict, model: torch.nn.Module) -> str | None:
+    """Why the check cannot run (a model or inputs on meta hold no values), else None."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    tensors += list(model.parameters())[:1]
+    if any(t.device.type == "meta" for t in tensors):
+        return "the model or its inputs are on meta (no values)"
+    return None
+
+
+def _first_sample(args: tuple, kwargs: dict):
+    """(args, kwargs) with every batched tensor cut to its first sample, or None when the inputs
+    do not share a first dimension larger than one."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) < 2:
+        return None
+    cut = lambda x: x[:1].detach().clone().requires_grad_(x.requires_grad) \
+        if isinstance(x, torch.Tensor) and x.dim() > 0 else x  # noqa: E731
+    return tree_map(cut, (args, kwargs))
+
+
+def _step(run, params: list[torch.Tensor], inputs: list[torch.Tensor]):
+    """Outputs and gradients of one step of `run()`: the backward of a random projection of
+    every float output (the same projection for both runs: seeded by position and shape)."""
+    with rng_preserved():
+        torch.manual_seed(0)
+        out = run()
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    diff = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in diff)
+    wrt = params + inputs
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True) if diff and wrt else [None] * len(wrt)
+    return [t.detach() for t in leaves], list(grads)
+
+
+def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+    if (a is None) != (b is None):
+        return "a gradient the model has is missing" if a is None else "a gradient the model has not is there"
+    if a is None:
+        return None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    if not a.is_floating_point():
+        return None if torch.equal(a, b) else "integer values differ"
+    tol = TOLERANCE.get(b.dtype, LOW)
+    if not torch.equal(a.isnan(), b.isnan()):
+        return "NaN where the model has none" if a.isnan().any() else "no NaN where the model has one"
+    a, b = a.double().nan_to_num(0.0), b.double().nan_to_num(0.0)
+    scale, err = b.norm().item(), (a - b).norm().item()
+    if err > tol * scale and err > 1e-12:
+        return f"relative error {err / max(scale, 1e-30):.2g}"
+    return None
+
+
+def check_capture(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: dict) -> str | None:
+    """None when `traced` computes what `model` does on one step (see the module's docstring),
+    else what differs, as a sentence."""
+    sample = _first_sample(args, kwargs) if traced.in_spec is None else None   # export: sizes baked in
+    candidates = [sample, (args, kwargs)] if sample is not None else [(args, kwargs)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for k, (a, kw) in enumerate(candidates):
+        inputs = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        try:
+            with state_preserved(model), buffers_restored(model):
+                want = _step(lambda: model(*a, **kw), params, inputs)
+        except Exception:       # the model cannot take the slice (BatchNorm on one value): the inputs as given
+            if k + 1 < len(candidates):
+                continue
+            return None         # nor the inputs as given: the profile reports the model's own error
+        try:
+            with state_preserved(model), buffers_restored(model):
+                got = _step(lambda: traced.gm(**traced.inputs(model, a, kw)), params, inputs)
+        except Exception as e:
+            if k + 1 < len(candidates):
+                continue
+            return f"the graph raised {type(e).__name__} where the model did not: {str(e).strip()[:200]}"
+        return _compare(want, got, names)
+    return None
+
+
+def _compare(want, got, names: list[str]) -> str | None:
+    (out_w, grads_w), (out_g, grads_g) = want, got
+    if len(out_w) != len(out_g):
+        return f"the graph returns {len(out_g)} tensors, the model {len(out_w)}"
+    for i, (a, b) in enumerate(zip(out_g, out_w)):
+        why = _differs(a, b)
+        if why:
+            return f"output {i} differs ({why})"
+    labels = names + [f"input {i}" for i in range(len(grads_w) - len(names))]
+    for name, a, b in zip(labels, grads_g, grads_w):
+        why = _differs(a, b)
+        if why:
+            return f"the gradient of {name} differs ({why})"
+    return None
