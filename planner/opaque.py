@@ -12,11 +12,13 @@ activations are ever allocated, one opaque module at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -37,6 +39,7 @@ class OpaqueCost:
     host_random: bool = False                # drew Python or numpy random numbers
     writes_state: bool = False               # wrote a tensor attribute of its own in place
     saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd still holds inside it
+    cast_bytes: int = 0                      # autocast's cached weight casts it made: held to the step's end
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
                     for e, x in zip(example, flat)]
         else:
             real = [_real_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        # in a step its inputs come out of other ops: their gradients from several uses are summed by
+        # autograd into a new tensor, not accumulated into a leaf's .grad in place; so are these
+        real = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in real]
         r_args, r_kwargs = tree_unflatten(real, spec)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
         inputs = [x for x in real if isinstance(x, torch.Tensor)]
@@ -130,14 +136,19 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             p = unlinked(t)
             packed.append((weakref.ref(p), weakref.ref(t.untyped_storage())))
             return p
-        with LiveBytes(baseline=inputs + list(state.values())) as live, FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
+        # the copies stand in for the module's tensors through backward too: a checkpoint inside it
+        # recomputes there, and must use (and give gradients to) the copies, not the user's tensors
+        with _reparametrize_module(module, state, tie_weights=True), \
+                LiveBytes(baseline=inputs + list(state.values())) as live, \
+                FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
             start = live.live_bytes
             drawn: list[bool] = []
             versions = attribute_versions(module)
             torch_rng = torch.random.get_rng_state()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
-                out = torch.func.functional_call(module, state, r_args, r_kwargs)
+                out = module(*r_args, **r_kwargs)
             torch_rng = (torch_rng, torch.random.get_rng_state())   # compared after the meter: it would count them
+
             writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
@@ -161,9 +172,18 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
                 torch.autograd.backward(root, seed)
             del root
             bwd_extra = max(0, live.peak_bytes - before_bwd)
+            cast_bytes = 0
+            if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+                # the casts of its weights that autocast caches (and its recompute reuses) live until
+                # autocast exits, after the step's backward: the stand-in makes them first and holds them
+                # to the step's end (`step_held`), apart from what it holds until its backward
+                cached = live.live_bytes
+                torch.clear_autocast_cache()
+                cast_bytes = max(0, cached - live.live_bytes)
+                held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
         drew_torch = not torch.equal(*torch_rng)
         cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
-                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs)
+                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t, out)
     return cost, shapes, drew_torch
 
@@ -182,6 +202,18 @@ class _Seeds(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.specs)
 
 
+_STEP_HELD: list[torch.Tensor] = []    # what stand-ins hold to the end of the step (autocast's casts)
+
+
+@contextlib.contextmanager
+def step_held():
+    """Around a fake step: what its stand-ins hold to the step's end is released at the end."""
+    try:
+        yield
+    finally:
+        _STEP_HELD.clear()
+
+
 class StandIn(torch.autograd.Function):
     """Fake-tensor stand-in for an opaque module, with its measured memory behaviour: its
     outputs, and in backward the gradients of its inputs and parameters. What the module saves
@@ -190,12 +222,16 @@ class StandIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cost: OpaqueCost, out_specs: list, n_inputs: int, *tensors):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
-        del tmp
+        if cost.cast_bytes:
+            _STEP_HELD.append(torch.empty(cost.cast_bytes, dtype=torch.uint8))
         for p in params:
             p.view(-1)          # records that the node reads its parameters
         outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype) if o.stride is not None
                      else torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+        # its forward's working memory on top of its outputs: a module's peak is often as it makes
+        # its output, while the temporaries Python still holds are alive (an earlier peak is met too)
+        tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
+        del tmp
         ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
                               *[outs[i] for i in cost.saved_output_positions])
         ctx.shapes = [(t.shape, t.dtype) for t in tensors]

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .kernels import FLOP_FORMULAS
 from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measured_costs
-from .opaque import stand_in
+from .opaque import stand_in, step_held
 from .rates import DeviceRates
 from .simulate import timeline
 from .step import FakeState, fake_step, model_loss, run_step, training_loss
@@ -377,8 +377,9 @@ def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], exa
         runner = _Runner(gm, mode, flops, opaque_state, examples, fixed or {})
         grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
         with flops, mode:
-            bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs), lambda out: _loss(runner, out, loss_fn),
-                                 lambda loss: _backward(loss, runner), keep_output)
+            with step_held():
+                bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs), lambda out: _loss(runner, out, loss_fn),
+                                     lambda loss: _backward(loss, runner), keep_output)
             # storages the step made that outlive it (the output when kept: `kept` holds it; a module
             # attribute set in forward, such as the weight spectral_norm's pre-hook computes; a cache)
             held = set(mode.sid.values())

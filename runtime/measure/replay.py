@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from planner.opaque import stand_in
+from planner.opaque import stand_in, step_held
 from planner.state import hooks_set, instance_forwards, named_tensors
 from planner.step import fake_step, run_step, training_loss
 from planner.storage import LiveBytes
@@ -45,5 +45,6 @@ def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[
     behaviour (planner.opaque)."""
     with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads) as fake, \
             LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
-        run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
+        with step_held():
+            run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
     return meter.peak_bytes
