@@ -145,8 +145,9 @@ def _checked_capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: 
             return traced, f"skipped: {why_not}"
         t0 = time.perf_counter()
         bad = check_capture(model, traced, args, kwargs)
+        log.debug("%s: capture check of the %s graph: %.3f s", type(model).__name__, traced.path, time.perf_counter() - t0)
         if bad is None:
-            return traced, f"passed ({time.perf_counter() - t0:.2f} s)"
+            return traced, "passed"
         log.warning("%s: the graph captured by %s does not compute what the model does (%s): not taken",
                     type(model).__name__, traced.path, bad)
         skip["torch.export" if traced.path == "torch.export" else "fx"] = f"capture check: {bad}"

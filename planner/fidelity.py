@@ -45,7 +45,10 @@ def watching(proxies_only: bool):
     apply, enter = function.__dict__["apply"], torch.autograd.graph.saved_tensors_hooks.__enter__
 
     def watched_apply(cls, *args, **kwargs):
-        if not proxies_only or _proxies(args, kwargs):
+        # a torch.library custom op's autograd (its Function is generated there) is kept: the graph
+        # records the op itself, whose registered backward runs when the graph runs
+        custom_op = cls.__module__.startswith("torch._library")
+        if not custom_op and (not proxies_only or _proxies(args, kwargs)):
             own = cls is torch.utils.checkpoint.CheckpointFunction    # the user's reentrant checkpoint
             raise Unfaithful(f"custom autograd.Function {cls.__qualname__}",
                              "a graph records its forward's ops and loses its backward", recomputable=not own)
