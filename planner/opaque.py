@@ -47,6 +47,7 @@ class TensorSpec:
     shape: torch.Size
     dtype: torch.dtype
     stride: tuple[int, ...] | None = None    # the real output's layout: a later reshape may copy
+    device: torch.device | None = None       # where it was made (meta, for a model planned on meta)
 
 
 def _real_like(t: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,8 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         drew_torch = not torch.equal(*torch_rng)
         cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
                           fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes)
-        shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t, out)
+        shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
+                          else t, out)
     return cost, shapes, drew_torch
 
 
@@ -194,12 +196,12 @@ class _Seeds(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *outs):
-        ctx.specs = [(t.shape, t.dtype) for t in outs]
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in outs]
         return torch.zeros(())
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(torch.ones(shape, dtype=dtype) for shape, dtype in ctx.specs)
+        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
 
 
 _STEP_HELD: list[torch.Tensor] = []    # what stand-ins hold to the end of the step (autocast's casts)
@@ -226,22 +228,22 @@ class StandIn(torch.autograd.Function):
             _STEP_HELD.append(torch.empty(cost.cast_bytes, dtype=torch.uint8))
         for p in params:
             p.view(-1)          # records that the node reads its parameters
-        outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype) if o.stride is not None
-                     else torch.empty(o.shape, dtype=o.dtype) for o in out_specs)
+        outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) if o.stride is not None
+                     else torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in out_specs)
         # its forward's working memory on top of its outputs: a module's peak is often as it makes
         # its output, while the temporaries Python still holds are alive (an earlier peak is met too)
         tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
         del tmp
         ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
                               *[outs[i] for i in cost.saved_output_positions])
-        ctx.shapes = [(t.shape, t.dtype) for t in tensors]
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         saved = ctx.saved_tensors      # held while the grads are made (recomputed, only this holds them)
-        out = (None, None, None) + tuple(torch.zeros(s, dtype=d) if d.is_floating_point else None
-                                         for s, d in ctx.shapes)
+        out = (None, None, None) + tuple(torch.zeros(s, dtype=d, device=dev) if d.is_floating_point else None
+                                         for s, d, dev in ctx.shapes)
         del saved
         return out
 
