@@ -10,7 +10,8 @@ only; a module hook's Python side effects (a list of features a loss reads) happ
 
 `watching(tracer)` makes each of these raise `Unfaithful` while it is used on traced values;
 planner.trace then takes the module it happened in as an opaque leaf (run as itself, measured
-for real) or the next capture path, and says which and why. Hooks are found before tracing
+for real) or the next capture path, and says which and why. A grad-mode change is kept instead:
+each node traced under it runs under it (`in_grad_mode`). Hooks are found before tracing
 (`hooked_modules`): a hooked submodule is a leaf of the graph, so its hooks run when it runs.
 """
 from __future__ import annotations
@@ -68,8 +69,9 @@ def watching(proxies_only: bool):
 
 
 class Modes:
-    """The grad mode, inference mode and torch.func level a trace starts in; `check` raises
-    Unfaithful when a traced op runs in others (fx would drop the change)."""
+    """The grad mode, inference mode and torch.func level a trace starts in. `check` says in which
+    grad mode a traced op runs when it differs (the graph then runs that node in it: `in_grad_mode`),
+    and raises Unfaithful for inference mode or a torch.func transform, which a graph cannot keep."""
 
     def __init__(self):
         self.start = self._now()
@@ -79,16 +81,46 @@ class Modes:
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                 torch._C._functorch.peek_interpreter_stack() is not None)
 
-    def check(self) -> None:
+    def check(self) -> bool | None:
         now = self._now()
         if now == self.start:
-            return
+            return None
         grad, inference, func = now
         if func != self.start[2]:
             raise Unfaithful("a torch.func transform", "a graph records the transformed ops, not the transform")
-        what = "inference_mode" if inference != self.start[1] else ("no_grad/set_grad_enabled(False)" if not grad
-                                                                     else "enable_grad/set_grad_enabled(True)")
-        raise Unfaithful(f"a {what} block", "fx runs a grad-mode change once, at trace time; its graph keeps none")
+        if inference != self.start[1]:
+            raise Unfaithful("an inference_mode block", "fx runs it once, at trace time; its graph keeps none")
+        return grad
+
+
+_IN_MODE: dict = {}
+
+
+def in_grad_mode(enabled: bool, target, kind: str):
+    """The callable a graph node runs instead of `target` (a function; a method name, kind
+    "call_method"; or "module", the module passed first) so that it runs with grad mode `enabled`,
+    as it did in the forward traced (`with torch.no_grad():`, an EMA update, a stop-gradient
+    branch). One per (mode, target), named after both, so that a graph prints and names its nodes."""
+    key = (enabled, target, kind)
+    if key not in _IN_MODE:
+        mode = torch.enable_grad if enabled else torch.no_grad
+        if kind == "call_module":
+            def fn(module, *args, **kwargs):
+                with mode():
+                    return module(*args, **kwargs)
+        elif kind == "call_method":
+            def fn(obj, *args, **kwargs):
+                with mode():
+                    return getattr(obj, target)(*args, **kwargs)
+        else:
+            def fn(*args, **kwargs):
+                with mode():
+                    return target(*args, **kwargs)
+        what = "module" if kind == "call_module" else target if isinstance(target, str) else \
+            getattr(target, "__name__", type(target).__name__)
+        fn.__name__ = fn.__qualname__ = f"{'with_grad' if enabled else 'no_grad'}_{what}".replace(".", "_")
+        _IN_MODE[key] = fn
+    return _IN_MODE[key]
 
 
 def hooked_modules(model: torch.nn.Module) -> dict[str, str]:

@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -139,9 +139,11 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             return p
         # the copies stand in for the module's tensors through backward too: a checkpoint inside it
         # recomputes there, and must use (and give gradients to) the copies, not the user's tensors
+        # FlopCounterMode outside the meter: it decomposes ops it has no formula for (silu_backward),
+        # and the meter must see the ops the step runs, not their decompositions' temporaries
         with _reparametrize_module(module, state, tie_weights=True), \
-                LiveBytes(baseline=inputs + list(state.values())) as live, \
-                FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc:
+                FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
+                LiveBytes(baseline=inputs + list(state.values())) as live, _Casts(state.values()) as casts:
             start = live.live_bytes
             drawn: list[bool] = []
             versions = attribute_versions(module)
@@ -173,21 +175,37 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
                 torch.autograd.backward(root, seed)
             del root
             bwd_extra = max(0, live.peak_bytes - before_bwd)
-            cast_bytes = 0
-            if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-                # the casts of its weights that autocast caches (and its recompute reuses) live until
-                # autocast exits, after the step's backward: the stand-in makes them first and holds them
-                # to the step's end (`step_held`), apart from what it holds until its backward
-                cached = live.live_bytes
-                torch.clear_autocast_cache()
-                cast_bytes = max(0, cached - live.live_bytes)
-                held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
+            # the casts of its weights that autocast caches (and a recompute reuses) live until autocast
+            # exits, after the step's backward: the stand-in makes them first and holds them to the
+            # step's end (`step_held`), apart from what it holds until its backward
+            cast_bytes = casts.alive_bytes()
+            held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
         drew_torch = not torch.equal(*torch_rng)
         cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
                           fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes)
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
                           else t, out)
     return cost, shapes, drew_torch
+
+
+class _Casts(TorchDispatchMode):
+    """Remembers the copies made of `tensors` (autocast's casts of a module's weights, which its
+    cache keeps until autocast exits); `alive_bytes` are those still alive."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.ids = {id(t) for t in tensors}
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
+            self.made.append(weakref.ref(out.untyped_storage()))
+        return out
+
+    def alive_bytes(self) -> int:
+        alive = {id(st): st.nbytes() for st in (ref() for ref in self.made) if st is not None}
+        return sum(alive.values())
 
 
 class _Seeds(torch.autograd.Function):
@@ -204,7 +222,7 @@ class _Seeds(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
 
 
-_STEP_HELD: list[torch.Tensor] = []    # what stand-ins hold to the end of the step (autocast's casts)
+_STEP_HELD: dict[int, torch.Tensor] = {}   # what stand-ins hold to the end of the step (autocast's casts), by module
 
 
 @contextlib.contextmanager
@@ -224,8 +242,6 @@ class StandIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cost: OpaqueCost, out_specs: list, n_inputs: int, *tensors):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        if cost.cast_bytes:
-            _STEP_HELD.append(torch.empty(cost.cast_bytes, dtype=torch.uint8))
         for p in params:
             p.view(-1)          # records that the node reads its parameters
         outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) if o.stride is not None
@@ -275,6 +291,8 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     """`module(*args, **kwargs)` on fake tensors: measured for real, stood in for by StandIn.
     Returns (outputs, cost); the module's parameters, as they are now (fake), get the grads."""
     cost, out_spec = measure_opaque(module, real_state, args, kwargs, example)
+    if cost.cast_bytes and id(module) not in _STEP_HELD:   # a recompute finds them in autocast's cache
+        _STEP_HELD[id(module)] = torch.empty(cost.cast_bytes, dtype=torch.uint8)
     flat_spec, spec = tree_flatten(out_spec)
     tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]

@@ -25,7 +25,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .errors import ForwardError, TraceError
-from .fidelity import Modes, Unfaithful, hooked_modules, watching
+from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
 from .rng import host_rng_moved, host_rng_state
 
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
@@ -107,7 +107,7 @@ class _LeafTracer(fx.Tracer):
 
     def __init__(self, extra_leaves: frozenset[str] = frozenset()):
         super().__init__()
-        self.modes = Modes()    # a grad-mode change, inference mode or torch.func transform: Unfaithful
+        self.modes = Modes()    # grad-mode changes kept per node; inference mode, torch.func: Unfaithful
         # buffers become graph attributes, as parameters do: a read of `self.scale` is read at
         # run time, and an in-place update is a node of the graph (not run once, at trace time)
         self.proxy_buffer_attributes = True
@@ -120,9 +120,13 @@ class _LeafTracer(fx.Tracer):
         return super().is_leaf_module(m, qualname) and next(m.children(), None) is None
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
-        if kind.startswith("call_"):
-            self.modes.check()
-        return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        grad = self.modes.check() if kind.startswith("call_") else None
+        if grad is None:
+            return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        # traced in another grad mode (`with torch.no_grad():`): the node runs in it too
+        if kind == "call_module":
+            args = (super().create_proxy("get_attr", target, (), {}),) + tuple(args)
+        return super().create_proxy("call_function", in_grad_mode(grad, target, kind), args, kwargs, *rest, **kw)
 
     def call_module(self, m, forward, args, kwargs):
         qualname = self.path_of_module(m)
