@@ -282,7 +282,10 @@ class _Held(torch.autograd.Function):
         # held through the peak: when a checkpoint region recomputed them, the unpacked tensors are
         # the only reference left (checkpoint's storage drops each as it is unpacked)
         saved = ctx.saved_tensors
-        tmp = torch.empty(ctx.cost.bwd_extra_bytes, dtype=torch.uint8)
+        # it was measured with contiguous output grads; one that comes non-contiguous (the backward of
+        # a transpose after it) is copied by the module's first reshape of it, on top of that peak
+        copies = sum(g.numel() * g.element_size() for g in grads if g is not None and not g.is_contiguous())
+        tmp = torch.empty(ctx.cost.bwd_extra_bytes + copies, dtype=torch.uint8)
         del tmp, saved
         return (None,) + tuple(g.new_zeros(()).expand_as(g) if g is not None else None for g in grads)
 
