@@ -268,11 +268,12 @@ class Remat:
                 return None
         return self._covered(key, args, kwargs)
 
-    def _capture(self, args: tuple, kwargs: dict):
-        """(Traced, named inputs) of the model's own forward on these inputs, its state untouched."""
+    def _capture(self, args: tuple, kwargs: dict, opaque: dict | None = None):
+        """(Traced, named inputs) of the model's own forward on these inputs, its state untouched;
+        `opaque`: submodules to capture as opaque fx leaves (those of the plan the graph is for)."""
         model = self.model
         with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
-            traced = capture(model, args, kwargs)
+            traced = capture(model, args, kwargs, opaque or None)
             return traced, traced.inputs(model, args, kwargs)
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> Plan:
@@ -287,7 +288,8 @@ class Remat:
                 raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
             self._plans[key] = (plan, None, None)
         else:
-            traced, named = self._capture(args, kwargs)
+            # a plan's opaque modules are leaves again (the profile may have made some after capture)
+            traced, named = self._capture(args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx") else None)
             _check_matches(plan, traced, named)
             self._plans[key] = (plan, rewrite_plan(model, traced.gm, plan), traced)
         self._last = key

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from planner import InfeasibleBudgetError
-from runtime import plan_and_wrap
+from planner.result import Plan
+from runtime import apply, plan_and_wrap
 from runtime.measure import peak_memory, training_loss
 
 from conftest import FAST
@@ -264,7 +265,12 @@ def test_a_hook_with_side_effects_runs_every_step():
 def test_a_data_dependent_shape_runs_for_real():
     """nonzero / a boolean mask raised DynamicOutputShapeException from the profile."""
     model, x = PrunedNet(), _seq()
-    check_pair(model, (x,), between(model, (x,)), path="fx with opaque leaves")
+    fresh = copy.deepcopy(model)
+    plan, _ = check_pair(model, (x,), between(model, (x,)), path="fx with opaque leaves")
+    assert [m for m, _ in plan.opaque] == ["prune"]
+    # made elsewhere and applied: the graph is captured with the plan's opaque leaves again
+    applied = apply(fresh, Plan.from_json(plan.to_json()), example_inputs=(x,))
+    assert applied.remat.plan.regions == plan.regions
 
 
 def test_a_loss_without_a_fake_kernel_is_measured_for_real():
