@@ -44,7 +44,7 @@ class Traced:
     in_spec: pytree.TreeSpec | None = None  # torch.export: how (args, kwargs) flatten onto inputs
     attempts: tuple[tuple[str, str], ...] = ()  # (path, why it was not taken) for the paths tried
     extra_kwargs: dict | None = None        # keyword inputs the graph was captured with (use_cache)
-    fixed: tuple[tuple[str, str], ...] = ()  # opaque leaves that hold their own checkpoint: never recomputed
+    fixed: tuple[tuple[str, str], ...] = ()  # leaves never recomputed (their own checkpoint, hooks), and why
 
     def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
@@ -349,6 +349,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target in bound)
     fixed = {m: why for m, why in fixed.items() if m in opaque}
+    # a hooked submodule runs once per step, as it does without remat: its hooks' side effects (a
+    # list of features, a counter) would happen again in a recompute
+    fixed.update({m: "has hooks, which a recompute would run again" for m in hooked})
     return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx",
                   fixed=tuple(sorted(fixed.items())))
 
