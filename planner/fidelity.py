@@ -17,10 +17,14 @@ each node traced under it runs under it (`in_grad_mode`). Hooks are found before
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
+
+_spectral_norm = importlib.import_module("torch.nn.utils.spectral_norm")   # the modules: torch.nn.utils
+_weight_norm = importlib.import_module("torch.nn.utils.weight_norm")       # exports functions by their names
 
 
 class Unfaithful(RuntimeError):
@@ -123,6 +127,12 @@ def in_grad_mode(enabled: bool, target, kind: str):
     return _IN_MODE[key]
 
 
+# torch's own hooks that only compute tensors from the module's parameters and buffers (the old
+# spectral_norm's power iteration, weight_norm): graphs keep them, and a recompute replays them
+# exactly (the buffers they write are rewound, runtime.rewrite)
+TENSOR_ONLY_HOOKS = (_spectral_norm.SpectralNorm, _weight_norm.WeightNorm)
+
+
 def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
     """Submodules (not the root: its hooks run around the planned forward) with forward or
     backward hooks, by qualified name -> why they are leaves: a traced hook runs once, at trace
@@ -132,7 +142,8 @@ def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
         if not name or any(name.startswith(o + ".") for o in out):
             continue
         kinds = [k for k, d in (("forward", m._forward_hooks), ("forward pre", m._forward_pre_hooks),
-                                ("backward", m._backward_hooks), ("backward pre", m._backward_pre_hooks)) if d]
+                                ("backward", m._backward_hooks), ("backward pre", m._backward_pre_hooks))
+                 if any(not isinstance(h, TENSOR_ONLY_HOOKS) for h in d.values())]
         if kinds:
             out[name] = f"has {' and '.join(kinds)} hooks, which a graph would run only while it is captured"
     return out
