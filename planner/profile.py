@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,6 +37,13 @@ from .trace import placeholder_values
 LOSS = "loss"
 # What fake tensors raise where code needs a value (`float(t)`, `t.nonzero()`, a branch on `t`)
 VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def fake_cannot_run(e: BaseException) -> bool:
+    """Fake tensors cannot run the op: it needs values (VALUE_DEPENDENT), or it has no fake or
+    meta kernel (a custom op without `register_fake`, an op without a meta kernel)."""
+    return isinstance(e, VALUE_DEPENDENT + (NotImplementedError, UnsupportedOperatorException)) or \
+        (isinstance(e, RuntimeError) and "no fake impl" in str(e))
 
 
 class ValueDependent(RuntimeError):
@@ -238,7 +246,9 @@ class _Runner(fx.Interpreter):
             return self.measure(i, lambda: self.run_opaque(n))
         try:
             return self.measure(i, lambda: super(_Runner, self).run_node(n))
-        except VALUE_DEPENDENT as e:     # run for real instead: this module, or the one the node is in
+        except Exception as e:     # run for real instead: this module, or the one the node is in
+            if not fake_cannot_run(e):
+                raise
             if n.op == "call_module":
                 raise ValueDependent(n.target, e) from e
             raise ValueDependent(_module_of(n), e, n.name) from e
@@ -395,8 +405,8 @@ def _loss(runner: _Runner, out, loss_fn):
     runner.loss_kind = "stand-in" if loss_fn is None and model_loss(out) is None else "the model's own (out.loss)"
     try:
         return runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn))
-    except VALUE_DEPENDENT + (NotImplementedError,) as e:   # no fake (meta) kernel: NotImplementedError
-        if loss_fn is None:
+    except Exception as e:
+        if loss_fn is None or not fake_cannot_run(e):
             raise
         raise LossValueDependent("", e, LOSS) from e
 

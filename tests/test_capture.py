@@ -443,3 +443,28 @@ def test_an_opaque_module_given_a_non_contiguous_grad_copies_it():
     x = torch.randint(0, 32, (10, 12))
     plan, measured = check_pair(model, (x,), 1.0, path="fx with opaque leaves")
     assert plan.predicted_peak_bytes - measured < 64
+
+
+@torch.library.custom_op("remat_test::scaled_sin", mutates_args=())
+def _scaled_sin(x: torch.Tensor) -> torch.Tensor:       # no register_fake: fake tensors cannot run it
+    return torch.sin(x) * 2
+
+
+_scaled_sin.register_autograd(lambda ctx, g: g * 2 * torch.cos(ctx.saved_tensors[0]),
+                              setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+class _CustomOpBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + _scaled_sin(self.fc(x))
+
+
+def test_an_op_without_a_fake_kernel_runs_for_real():
+    """A custom op without `register_fake` raised a raw RuntimeError from the profile."""
+    model = nn.Sequential(nn.Linear(32, 32), _CustomOpBlock(), nn.Linear(32, 32))
+    plan, _ = check_pair(model, (_seq(),), 1.0, path="fx with opaque leaves")
+    assert [m for m, _ in plan.opaque] == ["1"] and "cannot run" in plan.opaque[0][1]
