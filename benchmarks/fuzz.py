@@ -2,9 +2,12 @@
 
 `make_case(seed)` builds a random model (a DAG of torch.nn layers: Linear, Conv1d/Conv2d,
 BatchNorm, LayerNorm, Dropout, Embedding, attention as F.scaled_dot_product_attention or as
-softmax(QK^T)V, activations; residuals, branch-and-merge, in-place ops, views, buffers updated in
-forward, forward pre-hooks that update buffers, frozen and tied parameters, tuple and dict
-outputs, keyword inputs), its example inputs, a mode (wrapped in train mode, or wrapped in eval
+softmax(QK^T)V, activations; residuals, branch-and-merge, in-place ops (on views too), views,
+buffers updated in forward, forward pre-hooks that update buffers, frozen and tied parameters,
+tuple and dict outputs, keyword inputs; and what a graph capture can lose: custom autograd
+Functions with backwards of their own, no_grad / set_grad_enabled / enable_grad blocks and
+stop-gradient branches, forward, pre and backward hooks on composite blocks (one with a Python
+side effect), the user's own torch.utils.checkpoint, reentrant or not), its example inputs, a mode (wrapped in train mode, or wrapped in eval
 mode and then .train()-ed), a loss (the default, or a closure over a real target tensor), a
 budget fraction and bf16 autocast or not (around planning and each step's forward and loss, and
 its backward or not), and whether it is first asked for half its smallest feasible budget (then
@@ -471,6 +474,26 @@ def _halve_grad(module, grad_in, grad_out):
     return tuple(None if g is None else g * 0.5 for g in grad_in)
 
 
+class InPlaceView(nn.Module):
+    """In-place ops on views of an intermediate (autograd rebases the base's history): a slice
+    scaled, a transposed view shifted, a narrowed view through relu_."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.variant = r.choice(("slice", "transpose", "narrow_relu"))
+        self.lin = _lin(fam, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.variant == "slice":
+            h[:, : h.shape[1] // 2].mul_(0.5)
+        elif self.variant == "transpose":
+            h.transpose(0, 1).add_(1.0)
+        else:
+            h.narrow(-1, 0, h.shape[-1] // 2).relu_()
+        return x + h
+
+
 class UserCheckpoint(nn.Module):
     """The user's own torch.utils.checkpoint around the block's inner function."""
 
@@ -491,8 +514,9 @@ class UserCheckpoint(nn.Module):
 BLOCKS = {"mlp": Mlp, "norm": Norm, "conv": Conv, "sdpa": SdpaAttention, "attn": ManualAttention,
           "branch": Branch, "inplace": InPlace, "views": Views, "ema": Ema, "hooked": Hooked,
           "tied": Tied, "shape_branch": ShapeBranch, "custom_fn": CustomFn, "stop_grad": StopGrad,
-          "hooked_block": HookedBlock, "user_ckpt": UserCheckpoint}
-CAPTURE = ("custom_fn", "stop_grad", "hooked_block", "user_ckpt")    # what a capture can lose (issue 21)
+          "hooked_block": HookedBlock, "user_ckpt": UserCheckpoint, "inplace_view": InPlaceView}
+# what a capture can lose, and in-place ops on views (issue 21)
+CAPTURE = ("custom_fn", "stop_grad", "hooked_block", "user_ckpt", "inplace_view")
 FAMILY_BLOCKS = {
     "seq": ("mlp", "norm", "conv", "sdpa", "attn", "branch", "inplace", "views", "ema", "hooked", "tied",
             "shape_branch") + CAPTURE,
