@@ -88,7 +88,8 @@ def check_capture(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: d
         inputs = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         try:
             with state_preserved(model), buffers_restored(model):
-                want = _step(lambda: model(*a, **kw), params, inputs)
+                # with the keywords the graph was captured with (use_cache=False): those are its semantics
+                want = _step(lambda: model(*a, **{**(traced.extra_kwargs or {}), **kw}), params, inputs)
         except Exception:       # the model cannot take the slice (BatchNorm on one value): the inputs as given
             if k + 1 < len(candidates):
                 continue

@@ -12,7 +12,8 @@ only; a module hook's Python side effects (a list of features a loss reads) happ
 planner.trace then takes the module it happened in as an opaque leaf (run as itself, measured
 for real) or the next capture path, and says which and why. A grad-mode change is kept instead:
 each node traced under it runs under it (`in_grad_mode`). Hooks are found before tracing
-(`hooked_modules`): a hooked submodule is a leaf of the graph, so its hooks run when it runs.
+(`hooked_modules`): a hooked submodule is a leaf of the graph, so its hooks run when it runs,
+and it is never recomputed, so they run once a step.
 """
 from __future__ import annotations
 
