@@ -468,3 +468,55 @@ def test_an_op_without_a_fake_kernel_runs_for_real():
     model = nn.Sequential(nn.Linear(32, 32), _CustomOpBlock(), nn.Linear(32, 32))
     plan, _ = check_pair(model, (_seq(),), 1.0, path="fx with opaque leaves")
     assert [m for m, _ in plan.opaque] == ["1"] and "cannot run" in plan.opaque[0][1]
+
+
+class _SiluCheckpointed(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def inner(self, x):
+        return self.b(F.silu(self.a(x)))
+
+    def forward(self, x):
+        return x + checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_an_opaque_module_is_metered_on_the_ops_the_step_runs():
+    """Fuzz-found (seed 116): FlopCounterMode decomposed silu_backward inside the opaque module's
+    measurement, whose temporaries the real kernel never makes: predicted 1.25x the measured peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 8), _SiluCheckpointed(8), nn.Linear(8, 2))
+    check_pair(model, (torch.randint(0, 32, (10, 12)),), 1.0, path="fx with opaque leaves")
+
+
+class _SwishBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.b(_SiLUFn.apply(self.a(x)))
+
+
+@pytest.mark.parametrize("block", [_SwishBlock, _SiluCheckpointed])
+def test_an_opaque_module_under_autocast_holds_its_weight_casts(block):
+    """Fuzz-found (seeds 0, 6, 103): autocast caches the bf16 casts of an opaque module's weights
+    until it exits, after backward; the stand-in released them with its saved tensors (predicted
+    up to 16 KB under the measured peak), and a measurement that cleared the cache also dropped the
+    other modules' casts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), block(64), nn.Linear(64, 4))
+    ref, x = copy.deepcopy(model), torch.randn(14, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = plan_and_wrap(model, 1.0, example_inputs=(x,), options=FAST)
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            training_loss(m(x), None).backward()
+    measured = peak_memory(lambda: step(w), w, x)
+    step(ref)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(w.parameters(), ref.parameters()))
+    assert measured <= w.remat.plan.predicted_peak_bytes <= 1.05 * measured
