@@ -520,3 +520,31 @@ def test_an_opaque_module_under_autocast_holds_its_weight_casts(block):
     step(ref)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(w.parameters(), ref.parameters()))
     assert measured <= w.remat.plan.predicted_peak_bytes <= 1.05 * measured
+
+
+class _Symmetric(nn.Module):
+    def forward(self, X):
+        return X.triu() + X.triu(1).transpose(-1, -2)
+
+
+class _DataTrick(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        frozen = h @ self.b.weight.data.t()        # a read of .data: no gradient to b through it
+        return self.b(h) + 0.5 * frozen + h.detach() * 0.1
+
+
+def test_parametrizations_and_detach_tricks_train_identically():
+    """fx keeps them (the parametrization's ops, `.data`, `.detach()`); the capture check agrees."""
+    torch.manual_seed(0)
+    param = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.utils.parametrizations.orthogonal(nn.Linear(32, 32)),
+                          nn.GELU(), nn.Linear(32, 32))
+    nn.utils.parametrize.register_parametrization(param[4], "weight", _Symmetric())
+    for model in (param, _DataTrick()):
+        x = _seq()
+        plan, _ = check_pair(model, (x,), between(model, (x,)), path="fx")
+        assert plan.meta["capture_check"] == "passed"
