@@ -97,6 +97,8 @@ def check_capture(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: d
         try:
             with state_preserved(model), buffers_restored(model):
                 got = _step(lambda: traced.gm(**traced.inputs(model, a, kw)), params, inputs)
+        except torch.OutOfMemoryError:
+            return None         # no room for the check's step: nothing is known against the graph
         except Exception as e:
             if k + 1 < len(candidates):
                 continue
