@@ -315,12 +315,41 @@ class _Loss(torch.nn.Module):
         return self.loss_fn(out)
 
 
+class _Reads(TorchDispatchMode):
+    """The tensors ops read that no op in the block made (a loss's targets, closed over)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()
+        self.read: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.made:
+                self.read.setdefault(id(t.untyped_storage()), t)
+        out = func(*args, **(kwargs or {}))
+        self.made |= {id(t.untyped_storage()) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        return out
+
+
 def measured_loss(loss_fn, output: list):
     """`loss_fn` as the fake step runs it when fake tensors cannot (no fake kernel: `ctc_loss`; a
     value-dependent shape): run for real once per call on `output` (the model's real output,
-    flattened), stood in for by its measured memory behaviour."""
+    flattened), stood in for by its measured memory behaviour. The tensors it reads besides the
+    output (its targets) are read by the fake step too, so that the step's meter counts them."""
     module = _Loss(loss_fn)
+    targets: list[torch.Tensor] = []
 
     def loss(out):
+        if not targets:
+            spec = tree_flatten(((out,), {}))[1]
+            real_out = tree_unflatten(output, spec)[0][0]
+            mine = {id(t.untyped_storage()) for t in output if isinstance(t, torch.Tensor)}
+            with _disable_current_modes(), torch.no_grad(), _Reads() as reads:
+                loss_fn(real_out)
+            targets.extend(t for k, t in reads.read.items() if k not in mine)
+            targets.append(torch.empty(0))       # found: not looked for again
+        for t in targets:
+            torch.ops.aten.alias.default(t)
         return stand_in(module, {}, (out,), {}, output)[0]
     return loss
