@@ -264,12 +264,21 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
     return Model(prob, x, y, B, cost)
 
 
+def cbc(prob, solver) -> None:
+    """`prob.solve(solver)`, once more if CBC's process failed (PulpSolverError: it exited with an
+    error, seen on a machine loaded past its cores); a second failure is raised."""
+    try:
+        prob.solve(solver)
+    except pulp.PulpSolverError:
+        prob.solve(solver)
+
+
 def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None):
     nodes = opts.max_nodes if max_nodes is None else max_nodes
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,
                                threads=opts.threads, warmStart=warm, options=[f"maxNodes {nodes}"])
     t0 = time.perf_counter()
-    prob.solve(solver)
+    cbc(prob, solver)
     return time.perf_counter() - t0, pulp.LpStatus[prob.status], prob.sol_status
 
 
@@ -295,7 +304,7 @@ def _lp_gap(m: Model, objective: float, opts: SolveOptions) -> float:
         return 0.0
     for v in m.x:
         v.cat = pulp.LpContinuous
-    m.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s))
+    cbc(m.prob, pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s))
     bound = pulp.value(m.prob.objective) if m.prob.status == pulp.LpStatusOptimal else 0.0
     for v in m.x:
         v.cat = pulp.LpBinary
@@ -375,5 +384,5 @@ def ilp_peak_bytes(cg: CostGraph, cands: list[Candidate], regions: tuple[Region,
     chosen = set(regions)
     for c, v in zip(cands, m.x):
         prob += v == int(c.region in chosen)
-    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    cbc(prob, pulp.PULP_CBC_CMD(msg=False))
     return pulp.value(m.B) / _MB
