@@ -113,7 +113,7 @@ def _real_output(gm: torch.nn.Module, named: dict) -> list:
 
 
 def _needs_values(e: ValueDependent) -> str:
-    if "fake impl" in e.why or e.why.startswith(("NotImplementedError", "UnsupportedOperatorException")):
+    if e.no_kernel:
         return f"has an op fake tensors cannot run ({e.why})"
     return f"needs tensor values, which fake tensors do not have ({e.why})"
 

@@ -55,6 +55,7 @@ class ValueDependent(RuntimeError):
         self.module = module        # "" for the root's own code
         self.node = node            # the graph node inside `module` (None: the module is a node itself)
         self.why = f"{type(cause).__name__}: {str(cause).strip().split(chr(10))[0][:200]}"
+        self.no_kernel = not isinstance(cause, VALUE_DEPENDENT)   # no fake kernel, rather than needing values
         super().__init__(f"{module or 'the model'}{f' (node {node})' if node else ''}: {self.why}")
 _OPAQUE_FLOPS = "opaque module"   # FlopCounterMode key for FLOPs measured outside the fake run
 
