@@ -13,6 +13,7 @@ activations are ever allocated, one opaque module at a time.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, replace
 
@@ -40,6 +41,7 @@ class OpaqueCost:
     writes_state: bool = False               # wrote a tensor attribute of its own in place
     saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd still holds inside it
     cast_bytes: int = 0                      # autocast's cached weight casts it made: held to the step's end
+    input_grad_strides: tuple = ()           # the layout of each tensor input's grad it made (None: none)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,40 @@ class TensorSpec:
     device: torch.device | None = None       # where it was made (meta, for a model planned on meta)
 
 
-def _real_like(t: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Arg:
+    """A fake input as the real runs need it (holding the fake tensor would keep it alive in the step)."""
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _spec_of(x):
+    return _Arg(x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
+def _elements(shape, stride) -> int:
+    """How many elements a tensor of this layout spans."""
+    return 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _strided(shape, stride, dtype, device, value: float = 0.0) -> torch.Tensor:
+    """A tensor of `value` with exactly this layout (overlapping ones, as an expanded grad, too); a
+    dense one owns its storage (autograd may add a gradient into it in place, not into a view)."""
+    if _elements(shape, stride) == math.prod(shape):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(value)
+    return torch.full((_elements(shape, stride),), value, dtype=dtype, device=device).as_strided(shape, stride)
+
+
+def _real_like(t) -> torch.Tensor:
     if t.dtype.is_floating_point or t.dtype.is_complex:
         x = torch.randn(t.shape, dtype=t.dtype)
     else:
@@ -95,43 +130,52 @@ def _memory(cost: "OpaqueCost") -> int:
     return cost.internal_saved_bytes + cost.fwd_extra_bytes + cost.bwd_extra_bytes
 
 
-def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
+                   grad_strides=None):
     """Run `module` for real on `example` (its real inputs, see `real_inputs`), else on
     random inputs shaped like the fake `args`; returns (cost, fake-able outputs).
 
     A module whose forward draws from torch's RNG (`if torch.rand(()) < p: skip`) may take
     another branch in every step: it is measured again under RANDOM_DRAWS fixed seeds and the
     draw that holds the most memory is kept (the inputs any draw saves, all saved), so the plan
-    does not depend on the draw that planning happened to see."""
-    cost, shapes, drew = _measure_once(module, real_state, args, kwargs, example)
+    does not depend on the draw that planning happened to see. `grad_strides`: the layout of each
+    output's grad (default contiguous), as the step's backward hands them over."""
+    cost, shapes, drew = _measure_once(module, real_state, args, kwargs, example, grad_strides)
     if not drew:
         return cost, shapes
     runs = [(cost, shapes)]
     for seed in range(RANDOM_DRAWS):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            runs.append(_measure_once(module, real_state, args, kwargs, example)[:2])
+            runs.append(_measure_once(module, real_state, args, kwargs, example, grad_strides)[:2])
     worst, worst_shapes = max(runs, key=lambda r: _memory(r[0]))
     saved = tuple(sorted(set().union(*(c.saved_input_positions for c, _ in runs))))
     return replace(worst, saved_input_positions=saved, flops=max(c.flops for c, _ in runs)), worst_shapes
 
 
-def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
+                  grad_strides=None):
     """One real run of `measure_opaque`: (cost, fake-able outputs, whether it drew from torch's RNG)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
     with _disable_current_modes(), rng_preserved():
         flat, spec = tree_flatten((args, kwargs))
+        is_tensor = [isinstance(x, (torch.Tensor, _Arg)) for x in flat]
         if example is not None and len(example) == len(flat):
-            real = [e.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-                    for e, x in zip(example, flat)]
+            real = [e.detach().clone().requires_grad_(x.requires_grad) if t else x
+                    for e, x, t in zip(example, flat, is_tensor)]
         else:
-            real = [_real_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
+            real = [_real_like(x) if t else x for x, t in zip(flat, is_tensor)]
         # in a step its inputs come out of other ops: their gradients from several uses are summed by
         # autograd into a new tensor, not accumulated into a leaf's .grad in place; so are these
         real = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in real]
         r_args, r_kwargs = tree_unflatten(real, spec)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
-        inputs = [x for x in real if isinstance(x, torch.Tensor)]
+        inputs = [x for x, t in zip(real, is_tensor) if t]
+        # the layout of the grad it makes for each input: the step hands that on upstream
+        in_strides: list = [None] * len(inputs)
+        for k, x in enumerate(inputs):
+            if x.requires_grad:
+                x.register_hook(lambda g, k=k: in_strides.__setitem__(k, tuple(g.stride())))
         packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
         def pack(t):
             p = unlinked(t)
@@ -165,12 +209,15 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             del saved
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             grads = [t for t in outs if t.requires_grad]
+            strides = list(grad_strides) if grad_strides is not None else [t.stride() if t.is_contiguous() else
+                                                                          _contiguous(t.shape) for t in grads]
             seed = torch.zeros(())
-            root = _Seeds.apply(*grads) if grads else None
+            root = _Seeds.apply(strides, *grads) if grads else None
             live.reset_peak()
             # the backward's peak above what it starts with: saved tensors and the outputs' grads, which
             # autograd makes (_Seeds) and frees once used, as the step's backward hands them over
-            before_bwd = live.live_bytes + sum(t.numel() * t.element_size() for t in grads)
+            before_bwd = live.live_bytes + sum(_elements(t.shape, st) * t.element_size()
+                                               for t, st in zip(grads, strides))
             if grads:
                 torch.autograd.backward(root, seed)
             del root
@@ -182,7 +229,8 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
         drew_torch = not torch.equal(*torch_rng)
         cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
-                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes)
+                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes,
+                          tuple(in_strides))
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
                           else t, out)
     return cost, shapes, drew_torch
@@ -209,17 +257,17 @@ class _Casts(TorchDispatchMode):
 
 
 class _Seeds(torch.autograd.Function):
-    """A scalar whose backward gives each of its inputs a gradient of ones: the module's outputs get
-    their grads from autograd, which frees each once used, as they come in a step."""
+    """A scalar whose backward gives each of its inputs a gradient of ones, laid out as given: the
+    module's outputs get their grads from autograd, which frees each once used, as in a step."""
 
     @staticmethod
-    def forward(ctx, *outs):
-        ctx.specs = [(t.shape, t.dtype, t.device) for t in outs]
+    def forward(ctx, strides, *outs):
+        ctx.specs = [(t.shape, st, t.dtype, t.device) for t, st in zip(outs, strides)]
         return torch.zeros(())
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs)
+        return (None,) + tuple(_strided(shape, st, dtype, device, 1.0) for shape, st, dtype, device in ctx.specs)
 
 
 _STEP_HELD: dict[int, torch.Tensor] = {}   # what stand-ins hold to the end of the step (autocast's casts), by module
@@ -234,13 +282,31 @@ def step_held():
         _STEP_HELD.clear()
 
 
+class _Measured:
+    """One stand-in's measurement, shared by its StandIn and _Held: the cost as measured with
+    contiguous output grads, and again (once per layout) with the grads the step hands over."""
+
+    def __init__(self, cost: OpaqueCost, rerun):
+        self.cost, self._rerun, self._by_layout = cost, rerun, {}
+
+    def for_grads(self, strides: tuple) -> OpaqueCost:
+        """The cost with output grads of these layouts: a non-contiguous one (the backward of a
+        transpose after it) may be copied by the module, or be passed on as it is."""
+        if strides not in self._by_layout:
+            self._by_layout[strides] = self._rerun(strides)
+        self.cost = self._by_layout[strides]
+        return self.cost
+
+
 class StandIn(torch.autograd.Function):
     """Fake-tensor stand-in for an opaque module, with its measured memory behaviour: its
-    outputs, and in backward the gradients of its inputs and parameters. What the module saves
-    inside itself, and its backward's peak, are `_Held`'s, around it."""
+    outputs, and in backward the gradients of its inputs (in the layouts the module made them)
+    and parameters. What the module saves inside itself, and its backward's peak, are `_Held`'s,
+    around it."""
 
     @staticmethod
-    def forward(ctx, cost: OpaqueCost, out_specs: list, n_inputs: int, *tensors):
+    def forward(ctx, measured: _Measured, out_specs: list, n_inputs: int, *tensors):
+        cost = measured.cost
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         for p in params:
             p.view(-1)          # records that the node reads its parameters
@@ -253,15 +319,21 @@ class StandIn(torch.autograd.Function):
         ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
                               *[outs[i] for i in cost.saved_output_positions])
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        ctx.measured, ctx.n_inputs = measured, n_inputs
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         saved = ctx.saved_tensors      # held while the grads are made (recomputed, only this holds them)
-        out = (None, None, None) + tuple(torch.zeros(s, dtype=d, device=dev) if d.is_floating_point else None
-                                         for s, d, dev in ctx.shapes)
+        layouts = ctx.measured.cost.input_grad_strides
+        made = []
+        for k, (shape, dtype, device) in enumerate(ctx.shapes):
+            stride = layouts[k] if k < ctx.n_inputs and k < len(layouts) else None
+            made.append(None if not dtype.is_floating_point else
+                        _strided(shape, stride, dtype, device) if stride is not None else
+                        torch.zeros(shape, dtype=dtype, device=device))
         del saved
-        return out
+        return (None, None, None) + tuple(made)
 
 
 class _Held(torch.autograd.Function):
@@ -272,9 +344,10 @@ class _Held(torch.autograd.Function):
     made (StandIn gets grads of the right shapes that hold one element each)."""
 
     @staticmethod
-    def forward(ctx, cost: OpaqueCost, *outs):
-        ctx.save_for_backward(torch.empty(cost.internal_saved_bytes, dtype=torch.uint8))
-        ctx.cost = cost
+    def forward(ctx, measured: _Measured, *outs):
+        ctx.save_for_backward(torch.empty(measured.cost.internal_saved_bytes, dtype=torch.uint8))
+        ctx.measured = measured
+        ctx.outs = [(o.shape, o.requires_grad) for o in outs]
         return tuple(o.view_as(o) for o in outs)
 
     @staticmethod
@@ -282,26 +355,51 @@ class _Held(torch.autograd.Function):
         # held through the peak: when a checkpoint region recomputed them, the unpacked tensors are
         # the only reference left (checkpoint's storage drops each as it is unpacked)
         saved = ctx.saved_tensors
-        # it was measured with contiguous output grads; one that comes non-contiguous (the backward of
-        # a transpose after it) is copied by the module's first reshape of it, on top of that peak
-        copies = sum(g.numel() * g.element_size() for g in grads if g is not None and not g.is_contiguous())
-        tmp = torch.empty(ctx.cost.bwd_extra_bytes + copies, dtype=torch.uint8)
+        cost = ctx.measured.cost
+        if any(g is not None and not g.is_contiguous() for g in grads):    # measured with contiguous ones
+            cost = ctx.measured.for_grads(tuple(
+                tuple(g.stride()) if g is not None else _contiguous(shape)
+                for g, (shape, needs) in zip(grads, ctx.outs) if needs))
+        tmp = torch.empty(cost.bwd_extra_bytes, dtype=torch.uint8)
         del tmp, saved
         return (None,) + tuple(g.new_zeros(()).expand_as(g) if g is not None else None for g in grads)
 
 
-def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None):
+def _autocast_now() -> list[tuple[str, torch.dtype, bool]]:
+    return [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+            for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+
+
+@contextlib.contextmanager
+def _autocast(states: list[tuple[str, torch.dtype, bool]]):
+    with contextlib.ExitStack() as stack:
+        for device, dtype, cache in states:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
+             around=contextlib.nullcontext):
     """`module(*args, **kwargs)` on fake tensors: measured for real, stood in for by StandIn.
-    Returns (outputs, cost); the module's parameters, as they are now (fake), get the grads."""
-    cost, out_spec = measure_opaque(module, real_state, args, kwargs, example)
+    Returns (outputs, cost); the module's parameters, as they are now (fake), get the grads.
+    `around()`: what every real run of the module is inside (its own forward and hooks)."""
+    specs = tree_map(_spec_of, (args, kwargs))
+    autocast = _autocast_now()
+
+    def rerun(grad_strides):        # in the step's backward: as in its forward
+        with around(), torch.enable_grad(), _autocast(autocast):
+            return measure_opaque(module, real_state, *specs, example, grad_strides)[0]
+    with around():
+        cost, out_spec = measure_opaque(module, real_state, *specs, example)
     if cost.cast_bytes and id(module) not in _STEP_HELD:   # a recompute finds them in autocast's cache
         _STEP_HELD[id(module)] = torch.empty(cost.cast_bytes, dtype=torch.uint8)
     flat_spec, spec = tree_flatten(out_spec)
     tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    outs = iter(_Held.apply(cost, *StandIn.apply(cost, tensor_specs, len(inputs), *inputs, *module.parameters())))
+    measured = _Measured(cost, rerun)
+    outs = iter(_Held.apply(measured, *StandIn.apply(measured, tensor_specs, len(inputs), *inputs,
+                                                      *module.parameters())))
     return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
-
 
 
 class _Loss(torch.nn.Module):

@@ -18,16 +18,23 @@ from planner.storage import LiveBytes
 
 
 @contextlib.contextmanager
+def _own(mod: torch.nn.Module, hooks: dict):
+    with instance_forwards({mod: None}), hooks_set({mod: hooks}):
+        yield
+
+
+@contextlib.contextmanager
 def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
     """Opaque modules (fake tensors cannot run them) run as their measured stand-ins."""
     mods = [gm.get_submodule(m) for m in opaque]
     states = [named_tensors(m) for m in mods]              # taken before the model is made fake
 
     def stood_in(mod, state, example):
+        def own():      # the measurement runs the module's own forward, with its hooks, for real
+            return _own(mod, hooks[mod])
+
         def forward(*args, **kwargs):
-            # the measurement runs the module's own forward, with its hooks, for real
-            with instance_forwards({mod: None}), hooks_set({mod: hooks[mod]}):
-                return stand_in(mod, state, args, kwargs, example)[0]
+            return stand_in(mod, state, args, kwargs, example, own)[0]
         return forward
     # on fake tensors its hooks do not run around the stand-in (a hook may read values)
     with instance_forwards({mod: stood_in(mod, state, examples.get(name))
