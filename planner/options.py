@@ -52,3 +52,7 @@ class PlanOptions:
     # gradient accumulation: with k > 1 the step planned is a micro-step after the first, every
     # gradient live from its start (the optimizer, when given, steps after the last)
     accumulation_steps: int = 1
+    # plan_and_wrap keeps each plan it makes on disk (runtime/plan_cache.py: REMAT_CACHE_DIR), and a
+    # later run of the same model, inputs, budget, loss and options takes it from there; False: not
+    # read or written (also off for every run with REMAT_CACHE=0)
+    cache: bool = True

@@ -24,7 +24,7 @@ from planner.rng import rng_preserved
 from planner.state import instance_forwards, mode_key, state_preserved, training_modes
 from planner.trace import cache_off, capture
 
-from . import distributed, dropin
+from . import distributed, dropin, plan_cache
 from .measure import dry_run_peak, preserved, training_loss
 from .measure.timing import step_timing
 from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, checkpointing, plan_modules, rewrite,
@@ -268,12 +268,13 @@ class Remat:
                 return None
         return self._covered(key, args, kwargs)
 
-    def _capture(self, args: tuple, kwargs: dict, opaque: dict | None = None):
+    def _capture(self, args: tuple, kwargs: dict, opaque: dict | None = None, skip: dict | None = None):
         """(Traced, named inputs) of the model's own forward on these inputs, its state untouched;
-        `opaque`: submodules to capture as opaque fx leaves (those of the plan the graph is for)."""
+        `opaque`: submodules to capture as opaque fx leaves (those of the plan the graph is for);
+        `skip`: capture paths not to take."""
         model = self.model
         with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
-            traced = capture(model, args, kwargs, opaque or None)
+            traced = capture(model, args, kwargs, opaque or None, skip)
             return traced, traced.inputs(model, args, kwargs)
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> Plan:
@@ -345,6 +346,49 @@ class Remat:
         return made
 
     def _new_plan(self, model, args, kwargs) -> tuple:
+        """(plan, graph, Traced) for inputs like these: from the plan cache (runtime/plan_cache.py)
+        when this call was planned before, in any process, else made and cached."""
+        if self._compile is not None or not plan_cache.enabled(self._options):
+            return self._planned(model, args, kwargs)
+        parts = plan_cache.key_parts(model, _shape_key(args, kwargs, model), self.budget, self._loss_fn,
+                                     self._options, self._optimizer)
+        cache = plan_cache.PlanCache()
+        hit = cache.load(parts)
+        if hit is not None:
+            made = self._cached(hit[0], hit[1], args, kwargs)
+            if made is not None:
+                return made
+        made = self._planned(model, args, kwargs)
+        cache.store(parts, made[0], plan_cache.graph_hash(None if made[2] is None else made[2].gm))
+        return made
+
+    def _cached(self, plan: Plan, graph: str, args: tuple, kwargs: dict) -> tuple | None:
+        """The cached `plan` on this call's graph, or None (logged) when the graph captured now is
+        not the one it was made on."""
+        model = self.model
+        try:
+            if plan.trace_path == "module tree":
+                if graph != "module tree":
+                    raise PlanMismatchError("the entry's plan is for the module tree, its graph is not")
+                made = (plan, None, None)
+            else:
+                skip = {"fx": "the cached plan's graph"} if plan.trace_path == "torch.export" else None
+                traced, named = self._capture(args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx")
+                                              else None, skip)
+                if plan_cache.graph_hash(traced.gm) != graph:
+                    raise PlanMismatchError("the graph captured now is not the one the plan was made on")
+                _check_matches(plan, traced, named)
+                made = (plan, rewrite_plan(model, traced.gm, plan), traced)
+        except (RematError, PlanMismatchError) as e:
+            log.warning("%s: plan cache entry not used (%s); planning anew", type(model).__name__, e)
+            return None
+        log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
+        self._resolved(plan.unplanned_peak_bytes)
+        if self.budget.value != plan.budget_bytes:
+            return None
+        return made
+
+    def _planned(self, model, args, kwargs) -> tuple:
         try:
             a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
         except TraceError as e:             # no graph at all: plan over the module tree

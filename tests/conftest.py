@@ -1,6 +1,8 @@
 import copy
 import functools
+import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +12,11 @@ from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, s
 from planner.solve import ilp_peak_bytes
 from runtime import examples, plan_and_wrap
 from runtime.measure import peak_memory, preserved
+
+# Tests plan anew unless they test the plan cache (tests/test_plan_cache.py turns it on); nothing
+# is written to the user's cache directory.
+os.environ["REMAT_CACHE"] = "0"
+os.environ["REMAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="remat-test-cache-")
 
 # Small solver limits keep the suite fast; planning quality is the benchmark's business.
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
