@@ -34,6 +34,7 @@ class Analysis:
     example_inputs: dict      # the graph's inputs by name, as given
     opaque_examples: dict = field(default_factory=dict)   # opaque module -> its real inputs
     fake_loss: object = None  # the loss as a fake step runs it, when fake tensors cannot run loss_fn
+    times: dict = field(default_factory=dict)   # seconds: "capture", "check" (the capture check), "profile"
 
 
 def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, loss_fn=None,
@@ -71,28 +72,33 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     t0 = time.perf_counter()
     fake_loss = None
     skip: dict[str, str] = {}      # capture paths whose graph failed the capture check, and why
+    times = {"capture": 0.0, "check": 0.0, "profile": 0.0}
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
-        traced, checked = _checked_capture(model, args, kwargs, None, skip)
+        traced, checked = _checked_capture(model, args, kwargs, None, skip, times)
         named = traced.inputs(model, args, kwargs)
         while True:
             opaque = tuple(m for m, _ in traced.opaque)
             examples = real_inputs(traced.gm, named, opaque) if opaque else {}
+            t1 = time.perf_counter()
             try:
                 cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output,
                              frozenset(deterministic_ops), cost_model, overheads, dict(traced.fixed))
+                times["profile"] += time.perf_counter() - t1
                 break
             except LossValueDependent as e:    # the loss fake tensors cannot run: measured for real
+                times["profile"] += time.perf_counter() - t1
                 if fake_loss is not None:
                     raise
                 fake_loss = loss_fn = measured_loss(loss_fn, _real_output(traced.gm, named))
                 log.info("%s: the loss is measured for real (%s)", type(model).__name__, e.why)
             except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
+                times["profile"] += time.perf_counter() - t1
                 forced = _opaque_for(model, traced, e)
                 if forced is None:
                     traced = replace(traced, opaque=traced.opaque + ((e.module, _needs_values(e)),),
                                      path="fx with opaque leaves" if traced.path == "fx" else traced.path)
                 else:
-                    traced, checked = _checked_capture(model, args, kwargs, forced, skip)
+                    traced, checked = _checked_capture(model, args, kwargs, forced, skip, times)
                 named = traced.inputs(model, args, kwargs)
     _say_how(model, traced)
     if optimizer is not None:
@@ -102,7 +108,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
                            "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
-    return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss)
+    return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss, times)
 
 
 def _real_output(gm: torch.nn.Module, named: dict) -> list:
@@ -136,18 +142,21 @@ def _opaque_for(model: torch.nn.Module, traced: Traced, e: ValueDependent) -> di
 
 
 def _checked_capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict | None,
-                     skip: dict[str, str]) -> tuple[Traced, str]:
+                     skip: dict[str, str], times: dict | None = None) -> tuple[Traced, str]:
     """`capture`, then the capture check (planner.check): a graph that does not compute what the
     model does is not taken, and the next path is (`skip` records it; TraceError when no path is
     left: the runtime then plans over the module tree). Returns the graph and how it was checked."""
     why_not = skipped(args, kwargs, model)
+    times = {"capture": 0.0, "check": 0.0} if times is None else times
     while True:
+        t0 = time.perf_counter()
         traced = capture(model, args, kwargs, opaque, skip)
+        times["capture"] += time.perf_counter() - t0
         if why_not:
             return traced, f"skipped: {why_not}"
         t0 = time.perf_counter()
         bad = check_capture(model, traced, args, kwargs)
-        log.debug("%s: capture check of the %s graph: %.3f s", type(model).__name__, traced.path, time.perf_counter() - t0)
+        times["check"] += time.perf_counter() - t0
         if bad is None:
             return traced, "passed"
         log.warning("%s: the graph captured by %s does not compute what the model does (%s): not taken",

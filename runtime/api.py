@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import time
 import warnings
 from dataclasses import replace
 from typing import Callable, NamedTuple
@@ -49,11 +50,14 @@ class ExactReplay:
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
+        self.seconds = 0.0                      # spent replaying
 
     def __call__(self, regions) -> int:
         key = tuple(regions)
         if key not in self.peaks:
+            t0 = time.perf_counter()
             self.peaks[key] = self._replay(key)
+            self.seconds += time.perf_counter() - t0
         return self.peaks[key]
 
     def _replay(self, regions) -> int:
@@ -383,6 +387,8 @@ class Remat:
             log.warning("%s: plan cache entry not used (%s); planning anew", type(model).__name__, e)
             return None
         log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
+        plan = replace(plan, meta={**plan.meta, "cached": True})
+        made = (plan,) + made[1:]
         self._resolved(plan.unplanned_peak_bytes)
         if self.budget.value != plan.budget_bytes:
             return None
@@ -423,7 +429,11 @@ class Remat:
             log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
                         type(model).__name__, _describe(args, kwargs), budget_bytes)
         self.solves += 1
+        t0 = time.perf_counter()
         p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure)
+        spent = {**a.times, "solve": time.perf_counter() - t0 - measure.seconds, "replay": measure.seconds}
+        p = replace(p, meta={**p.meta, "plan_time": {**{k: round(v, 3) for k, v in spent.items()},
+                                                     "replays": len(measure.peaks)}})
         return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
     def _warn_once(self, what: str, message: str) -> None:

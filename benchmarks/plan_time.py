@@ -1,0 +1,139 @@
+"""Where a plan's time goes: every built-in and zoo model at three budgets.
+
+    python benchmarks/plan_time.py                          # all models, u = 0.25 0.5 0.75
+    python benchmarks/plan_time.py --models gpt2 hf-llama --fractions 0.5
+    python benchmarks/plan_time.py --out 2026-12-02-plan-time   # .md and .json in benchmarks/results/
+    python benchmarks/plan_time.py --compare benchmarks/results/OLD.json   # extra compute against an older run
+
+Each row is one `plan_and_wrap` of a fresh copy of the model (plan cache off) at budget =
+floor + u x (unplanned - floor), where the floor and the unplanned peak come from one plan made
+first (not timed). Columns: graph nodes; seconds of capture, capture check, fake profile, solve
+(candidates, CBC, local search, everything in solve_plan but the replays) and exact replays (how
+many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
+estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
+is the same call again with the plan cache on (a second run of the same script). Timings are of
+this machine as it was: run it alone, on a quiet machine. Nothing here is a test.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import platform
+import resource
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
+from runtime import plan_and_wrap  # noqa: E402
+from runtime.examples import EXAMPLES  # noqa: E402
+
+BUILT_IN = ("gpt2", "mlp", "resnet", "unet")
+ZOO = ("hf-gpt2", "hf-bert", "hf-llama", "hf-t5", "hf-vit", "hf-moe")
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def example(name: str):
+    if name in EXAMPLES:
+        return EXAMPLES[name]()
+    from zoo_models import ZOO as zoo
+    return zoo[name]()
+
+
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _wrap(ex, budget, options):
+    kw = dict(example_kwargs=ex.kwargs) if ex.kwargs else dict(example_inputs=ex.inputs)
+    return plan_and_wrap(copy.deepcopy(ex.model), budget, loss_fn=ex.loss_fn, options=options, **kw)
+
+
+def bounds(ex, options) -> tuple[int, int]:
+    """(floor, unplanned peak) in bytes: the refusal of a budget of one byte names the floor."""
+    try:
+        _wrap(ex, 1e-9, options)
+    except InfeasibleBudgetError as e:
+        floor = e.min_feasible_bytes
+    else:
+        raise RuntimeError("a budget of one byte was met")
+    return floor, _wrap(ex, 1e3, options).remat.plan.unplanned_peak_bytes
+
+
+def row(name: str, ex, u: float | str, budget: int, options) -> dict:
+    t0, c0 = time.perf_counter(), _cpu()
+    w = _wrap(ex, budget / 1e9, options)
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    p = w.remat.plan
+    spent = {} if p.meta.get("cached") else p.meta.get("plan_time", {})
+    return {"model": name, "u": u, "budget": budget, "nodes": len(p.node_names), "wall": wall, "cpu": cpu,
+            **{k: spent.get(k) for k in ("capture", "check", "profile", "solve", "replay", "replays")},
+            "extra": p.recompute_s / p.forward_s if p.forward_s else 0.0, "regions": len(p.regions),
+            "predicted": p.predicted_peak_bytes, "cached": bool(p.meta.get("cached"))}
+
+
+def _s(x) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def table(rows: list[dict], old: dict | None = None) -> str:
+    head = ("| model | u | nodes | capture s | check s | profile s | solve s | replay s (n) | total s | CPU s "
+            "| extra compute | regions |" + (" extra before |" if old else ""))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        before = old.get((r["model"], str(r["u"]))) if old else None
+        lines.append(f"| {r['model']} | {r['u']} | {r['nodes']} | {_s(r['capture'])} | {_s(r['check'])} | "
+                     f"{_s(r['profile'])} | {_s(r['solve'])} | {_s(r['replay'])} ({r['replays'] or 0}) | "
+                     f"{r['wall']:.2f} | {r['cpu']:.2f} | {r['extra']:.1%} | {r['regions']} |"
+                     + (f" {before:.1%} |" if before is not None else (" |" if old else "")))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(BUILT_IN + ZOO))
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
+    ap.add_argument("--out", help="name of the results files (benchmarks/results/NAME.md and .json)")
+    ap.add_argument("--compare", help="an older run's .json: its extra compute beside each row")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ["REMAT_CACHE"] = "0"
+    options = PlanOptions()
+    rows = []
+    for name in args.models:
+        ex = example(name)
+        floor, unplanned = bounds(ex, options)
+        for u in args.fractions:
+            rows.append(row(name, ex, u, int(floor + u * (unplanned - floor)), options))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        with tempfile.TemporaryDirectory() as cache:     # the same call in a second run: from the cache
+            os.environ.update(REMAT_CACHE="1", REMAT_CACHE_DIR=cache)
+            budget = int(floor + 0.5 * (unplanned - floor))
+            row(name, ex, "cache: first", budget, options)
+            rows.append(row(name, ex, "cache: again", budget, options))
+            os.environ["REMAT_CACHE"] = "0"
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    old = None
+    if args.compare:
+        old = {(r["model"], str(r["u"])): r["extra"] for r in json.loads(pathlib.Path(args.compare).read_text())}
+    text = table(rows, old)
+    print(text)
+    if args.out:
+        meta = (f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                f"one torch thread; `python benchmarks/plan_time.py {' '.join(argv or sys.argv[1:])}`")
+        (RESULTS / f"{args.out}.md").write_text(f"# Plan time\n\n{meta}\n\n{text}\n")
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
