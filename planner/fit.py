@@ -159,8 +159,14 @@ def _noted(plan: Plan, pb: _Problem) -> Plan:
 # (by more than CLOSE_ENOUGH of the budget); once one effective budget gave a plan over and
 # another one under (or none at all), the next is halfway between. It stops after
 # `Measure.rounds` solves (DEFAULT_ROUNDS without a measure), or when the next step would move
-# the effective budget by less than MIN_STEP of the budget.
+# the effective budget by less than MIN_STEP of the budget. The first effective budget is the
+# budget scaled by how the simulator's prediction of the step without checkpointing compares to
+# its replay (the simulator adds its safety margin, and is cautious where the replay is exact),
+# within FIRST_SCALE either way: most plans then replay within CLOSE_ENOUGH of the budget at the
+# first solve. Once a plan fits, AFTER_FIT more solves at most look for a cheaper one.
 DEFAULT_ROUNDS = 4
+FIRST_SCALE = 1.05
+AFTER_FIT = 1             # solves tried above the first plan that fits (it is rarely bettered twice)
 CLOSE_ENOUGH = 0.01
 MIN_STEP = 0.002
 ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
@@ -171,8 +177,16 @@ def _fit(pb: _Problem) -> Choice:
     budget = pb.budget
     best: tuple[float, Choice] | None = None
     effective = budget
+    if pb.measure is not None:
+        scale = min(FIRST_SCALE, max(1 / FIRST_SCALE, pb.predict(()) / max(1, pb.measured(()))))
+        effective = int(budget * scale)
     under = over = predicted = None      # highest effective budget to go up from, lowest to go down from
+    tries_left = None                    # solves left once a plan fits (AFTER_FIT)
     for _ in range(pb.measure.rounds if pb.measure is not None else DEFAULT_ROUNDS):
+        if tries_left is not None:
+            if tries_left == 0:
+                break
+            tries_left -= 1
         try:
             choice = _choose(pb, effective)
         except InfeasibleBudgetError as e:
@@ -188,6 +202,8 @@ def _fit(pb: _Problem) -> Choice:
                     best = (cost, choice._replace(predicted=predicted, effective=effective))
                 if pb.measure is None or step < CLOSE_ENOUGH * budget:
                     break
+                if tries_left is None:
+                    tries_left = AFTER_FIT
         if go_up:
             under = effective if under is None else max(under, effective)
         else:

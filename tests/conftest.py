@@ -13,6 +13,10 @@ from planner.solve import ilp_peak_bytes
 from runtime import examples, plan_and_wrap
 from runtime.measure import peak_memory, preserved
 
+# One torch thread per xdist worker: two workers on two cores, not four threads fighting over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # Tests plan anew unless they test the plan cache (tests/test_plan_cache.py turns it on); nothing
 # is written to the user's cache directory.
 os.environ["REMAT_CACHE"] = "0"
@@ -220,9 +224,18 @@ def builtin(case):
     return get
 
 
+SHARED = ("case", "builtin", "zoo_case")     # session fixtures whose plans tests share
+
+
 def pytest_collection_modifyitems(items):
-    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf")."""
+    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf").
+    Under pytest-xdist (`-n 2`, `--dist loadgroup`, as .ci/run), every test that plans a model
+    through the session fixtures runs on one worker per model (`xdist_group`), so each model is
+    planned once per budget for the session, not once per worker."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(isinstance(v, str) and v.startswith("hf-") for v in params.values()):
             item.add_marker(pytest.mark.hf)
+        if any(f in getattr(item, "fixturenames", ()) for f in SHARED):
+            model = params.get("name") or next((v for v in params.values() if isinstance(v, str)), None)
+            item.add_marker(pytest.mark.xdist_group(f"model-{model}" if model else item.path.name))

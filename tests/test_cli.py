@@ -385,3 +385,14 @@ def test_report_plans_a_hugging_face_config_on_meta_with_its_optimizer(slow_runs
     assert "2-step gradient accumulation" in r.stdout
     bad = slow_runs["hf lion"].result()
     assert bad.returncode == 2 and "--optimizer 'lion'" in bad.stderr
+
+
+def test_the_cli_leaves_no_process_state_behind(capsys):
+    """`main` in a process (a test, a notebook) restores the `remat` logger and the environment."""
+    import logging
+    import os
+    from runtime.cli.main import main
+    log = logging.getLogger("remat")
+    before = (log.handlers[:], log.level, log.propagate, os.environ.get("KINETO_LOG_LEVEL"))
+    main(["report", "mlp", "--budget", "not-a-budget"])
+    assert (log.handlers[:], log.level, log.propagate, os.environ.get("KINETO_LOG_LEVEL")) == before

@@ -41,7 +41,9 @@ def _error(loss, model, loss64, ref64) -> float:
     return max(errs)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+# one small model in the suite (BatchNorm and convolutions: the harder compiled case); the
+# built-in GPT-2 and the others compiled: benchmarks/strategies_remat_compile.py
+@pytest.mark.parametrize("name", ["resnet"])
 @inductor_config.patch(fallback_random=True)        # dropout draws eager's masks, to compare with eager
 def test_compiled_plan_fits_and_trains_like_the_original(case, name):
     c = case(name)

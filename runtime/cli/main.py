@@ -11,6 +11,7 @@ See docs/CLI.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -409,30 +410,43 @@ class _Say(logging.Handler):
         self.say(record.getMessage())
 
 
-def _say_logs(say) -> None:
-    """The library's log (the `remat` logger: fallbacks, opaque modules) as progress lines on
-    stderr; none with --quiet or --json."""
-    log = logging.getLogger("remat")
+@contextlib.contextmanager
+def _say_logs(say):
+    """Inside: the library's log (the `remat` logger: fallbacks, opaque modules) as progress lines
+    on stderr (none with --quiet or --json), a failing op under fake tensors not logged with its
+    traceback (we report it in one line), and the profiler that meters compiled steps quiet on
+    stderr (kineto's USDT lines, level 5; kineto reads this when the profiler is first used).
+    Afterwards the loggers and the environment are as they were: `main` called in a process (a
+    test, a notebook) leaves no trace."""
+    log, fake = logging.getLogger("remat"), logging.getLogger("torch._subclasses.fake_tensor")
+    before = (log.handlers[:], log.level, log.propagate, fake.level, os.environ.get("KINETO_LOG_LEVEL"))
     log.handlers[:] = [_Say(say)]
     log.setLevel(logging.INFO)
     log.propagate = False
+    fake.setLevel(logging.CRITICAL)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    try:
+        yield
+    finally:
+        log.handlers[:], level, log.propagate, fake_level, kineto = before
+        log.setLevel(level)
+        fake.setLevel(fake_level)
+        if kineto is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
+        else:
+            os.environ["KINETO_LOG_LEVEL"] = kineto
 
 
 def main(argv: list[str] | None = None) -> int:
-    # a failing op under fake tensors is logged with a traceback before it is raised; we report it in one line
-    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
-    # the profiler that meters compiled steps at the allocator prints its start and stop on stderr
-    # (kineto's USDT lines, level 5); kineto reads this when the profiler is first used
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         a = parser().parse_args(_glue_values(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:
         return int(e.code or 0)
     quiet = a.quiet or a.json
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    _say_logs(say)
     try:
-        return {"report": cmd_report, "check": cmd_check, "sweep": cmd_sweep}[a.command](a, say)
+        with _say_logs(say):
+            return {"report": cmd_report, "check": cmd_check, "sweep": cmd_sweep}[a.command](a, say)
     except (UsageError, BudgetError) as e:
         print(f"remat: error: {e}", file=sys.stderr)
         return 2
