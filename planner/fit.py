@@ -167,7 +167,7 @@ def _noted(plan: Plan, pb: _Problem) -> Plan:
 DEFAULT_ROUNDS = 4
 FIRST_SCALE = 1.05
 AFTER_FIT = 1             # solves tried above the first plan that fits (it is rarely bettered twice)
-CLOSE_ENOUGH = 0.01
+CLOSE_ENOUGH = 0.005
 MIN_STEP = 0.002
 ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
 
@@ -200,7 +200,8 @@ def _fit(pb: _Problem) -> Choice:
                 cost = timeline(pb.cg, choice.regions).recompute_s
                 if best is None or cost < best[0]:
                     best = (cost, choice._replace(predicted=predicted, effective=effective))
-                if pb.measure is None or step < CLOSE_ENOUGH * budget:
+                # close enough, unless CBC stopped at a limit (another effective budget may do better)
+                if pb.measure is None or (step < CLOSE_ENOUGH * budget and "limit" not in choice.status):
                     break
                 if tries_left is None:
                     tries_left = AFTER_FIT
