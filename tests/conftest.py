@@ -224,18 +224,9 @@ def builtin(case):
     return get
 
 
-SHARED = ("case", "builtin", "zoo_case")     # session fixtures whose plans tests share
-
-
 def pytest_collection_modifyitems(items):
-    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf").
-    Under pytest-xdist (`-n 2`, `--dist loadgroup`, as .ci/run), every test that plans a model
-    through the session fixtures runs on one worker per model (`xdist_group`), so each model is
-    planned once per budget for the session, not once per worker."""
+    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf")."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(isinstance(v, str) and v.startswith("hf-") for v in params.values()):
             item.add_marker(pytest.mark.hf)
-        if any(f in getattr(item, "fixturenames", ()) for f in SHARED):
-            model = params.get("name") or next((v for v in params.values() if isinstance(v, str)), None)
-            item.add_marker(pytest.mark.xdist_group(f"model-{model}" if model else item.path.name))
