@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -64,25 +65,13 @@ def _spec_of(x):
     return _Arg(x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
 
 
-def _elements(shape, stride) -> int:
-    """How many elements a tensor of this layout spans."""
-    return 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def _strided(shape, stride, dtype, device, value: float = 0.0) -> torch.Tensor:
     """A tensor of `value` with exactly this layout (overlapping ones, as an expanded grad, too); a
     dense one owns its storage (autograd may add a gradient into it in place, not into a view)."""
-    if _elements(shape, stride) == math.prod(shape):
+    size = compute_required_storage_length(shape, stride, 0)
+    if size == math.prod(shape):
         return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(value)
-    return torch.full((_elements(shape, stride),), value, dtype=dtype, device=device).as_strided(shape, stride)
+    return torch.full((size,), value, dtype=dtype, device=device).as_strided(shape, stride)
 
 
 def _real_like(t) -> torch.Tensor:
@@ -209,14 +198,14 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             del saved
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             grads = [t for t in outs if t.requires_grad]
-            strides = list(grad_strides) if grad_strides is not None else [t.stride() if t.is_contiguous() else
-                                                                          _contiguous(t.shape) for t in grads]
+            strides = list(grad_strides) if grad_strides is not None else \
+                [make_contiguous_strides_for(t.shape) for t in grads]
             seed = torch.zeros(())
             root = _Seeds.apply(strides, *grads) if grads else None
             live.reset_peak()
             # the backward's peak above what it starts with: saved tensors and the outputs' grads, which
             # autograd makes (_Seeds) and frees once used, as the step's backward hands them over
-            before_bwd = live.live_bytes + sum(_elements(t.shape, st) * t.element_size()
+            before_bwd = live.live_bytes + sum(compute_required_storage_length(t.shape, st, 0) * t.element_size()
                                                for t, st in zip(grads, strides))
             if grads:
                 torch.autograd.backward(root, seed)
@@ -328,7 +317,7 @@ class StandIn(torch.autograd.Function):
         layouts = ctx.measured.cost.input_grad_strides
         made = []
         for k, (shape, dtype, device) in enumerate(ctx.shapes):
-            stride = layouts[k] if k < ctx.n_inputs and k < len(layouts) else None
+            stride = layouts[k] if k < ctx.n_inputs else None      # one per input, None: no grad
             made.append(None if not dtype.is_floating_point else
                         _strided(shape, stride, dtype, device) if stride is not None else
                         torch.zeros(shape, dtype=dtype, device=device))
@@ -358,7 +347,7 @@ class _Held(torch.autograd.Function):
         cost = ctx.measured.cost
         if any(g is not None and not g.is_contiguous() for g in grads):    # measured with contiguous ones
             cost = ctx.measured.for_grads(tuple(
-                tuple(g.stride()) if g is not None else _contiguous(shape)
+                tuple(g.stride()) if g is not None else make_contiguous_strides_for(shape)
                 for g, (shape, needs) in zip(grads, ctx.outs) if needs))
         tmp = torch.empty(cost.bwd_extra_bytes, dtype=torch.uint8)
         del tmp, saved

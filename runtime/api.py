@@ -387,12 +387,8 @@ class Remat:
             log.warning("%s: plan cache entry not used (%s); planning anew", type(model).__name__, e)
             return None
         log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
-        plan = replace(plan, meta={**plan.meta, "cached": True})
-        made = (plan,) + made[1:]
-        self._resolved(plan.unplanned_peak_bytes)
-        if self.budget.value != plan.budget_bytes:
-            return None
-        return made
+        self._resolved(plan.unplanned_peak_bytes)      # a '%' budget: the key held it, the plan resolved it
+        return (replace(plan, meta={**plan.meta, "cached": True}),) + made[1:]
 
     def _planned(self, model, args, kwargs) -> tuple:
         try:
