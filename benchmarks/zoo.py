@@ -164,12 +164,17 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
                           loss_fn=ex.loss_fn, options=options).remat.plan
     fixed = fixed_bytes(model, (ex.inputs, kwargs))
     budget = int(fixed + fraction * (probe.unplanned_peak_bytes - fixed))
+    try:     # a plan that fits searches no floor (planner/fit.py NOTE [ floor if needed ]): a 1-byte budget's refusal names it
+        plan_and_wrap(copy.deepcopy(model), 1e-9, example_inputs=ex.inputs, example_kwargs=kwargs,
+                      loss_fn=ex.loss_fn, options=options)
+        floor = None
+    except InfeasibleBudgetError as e:
+        floor = e.min_feasible_bytes
     t0 = time.perf_counter()
     why, planned_at = "", budget
     try:
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
-        floor = wrapped.remat.plan.min_feasible_bytes
     except InfeasibleBudgetError as e:
         planned_at = floor = e.min_feasible_bytes
         wrapped = plan_and_wrap(model, planned_at / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,

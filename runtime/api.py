@@ -426,7 +426,8 @@ class Remat:
                         type(model).__name__, _describe(args, kwargs), budget_bytes)
         self.solves += 1
         t0 = time.perf_counter()
-        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure)
+        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure,
+                       floor_if_needed=True)
         spent = {**a.times, "solve": time.perf_counter() - t0 - measure.seconds, "replay": measure.seconds}
         p = replace(p, meta={**p.meta, "plan_time": {**{k: round(v, 3) for k, v in spent.items()},
                                                      "replays": len(measure.peaks)}})

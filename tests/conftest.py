@@ -190,9 +190,13 @@ class Planned:
 
     def floor(self, fraction: float = 0.5) -> int:
         """The smallest feasible budget remat reports, planning at `activation_budget(fraction)`:
-        the plan's min_feasible_bytes, or the InfeasibleBudgetError's."""
+        the InfeasibleBudgetError's; where that budget fits (plan_and_wrap then searches no floor:
+        fit.py NOTE [ floor if needed ]), the refusal of a budget of one byte names it."""
         w = self.at(self.activation_budget(fraction))
-        return w.min_feasible_bytes if isinstance(w, InfeasibleBudgetError) else w.remat.plan.min_feasible_bytes
+        if not isinstance(w, InfeasibleBudgetError):
+            w = self.at(1)
+        assert isinstance(w, InfeasibleBudgetError), f"{self.name}: a budget of one byte was met"
+        return w.min_feasible_bytes
 
 
 _ZOO: dict[str, Planned] = {}

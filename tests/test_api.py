@@ -1,5 +1,6 @@
 """The user-facing contract: errors, lazy and per-shape planning, state, eval/no_grad, opaque modules."""
 
+import copy
 import io
 import logging
 import re
@@ -368,3 +369,28 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
     measured = peak_memory(whole_step, ex.model, *ex.inputs, *tensors)
     assert measured <= w.remat.plan.budget_bytes
     assert measured <= w.remat.plan.predicted_peak_bytes <= 1.05 * measured
+
+
+def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
+    """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/fit.py
+    NOTE [ floor if needed ]): a plan that fits has none; a budget below the floor is refused with
+    the floor the search as it was (always searched) finds, and that floor, typed back in, fits."""
+    import runtime.api as api
+    ex = examples.EXAMPLES["mlp"]()
+    unplanned = plan(ex.model, 1e3, example_inputs=ex.inputs, options=FAST).unplanned_peak_bytes
+    w = plan_and_wrap(copy.deepcopy(ex.model), unplanned * 0.6 / 1e9, example_inputs=ex.inputs, options=FAST)
+    assert w.remat.plan.regions and w.remat.plan.min_feasible_bytes is None
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_and_wrap(copy.deepcopy(ex.model), 1e-9, example_inputs=ex.inputs, options=FAST)
+    always = api.solve_plan
+    monkeypatch.setattr(api, "solve_plan", lambda *a, floor_if_needed=False, **k: always(*a, **k))
+    with pytest.raises(InfeasibleBudgetError) as full:
+        plan_and_wrap(copy.deepcopy(ex.model), 1e-9, example_inputs=ex.inputs, options=FAST)
+    assert e.value.min_feasible_bytes == full.value.min_feasible_bytes
+    fitted = plan_and_wrap(copy.deepcopy(ex.model), unplanned * 0.6 / 1e9, example_inputs=ex.inputs, options=FAST)
+    assert fitted.remat.plan.min_feasible_bytes is not None      # the oracle did search it
+    assert fitted.remat.plan.regions == w.remat.plan.regions      # and chose the same plan
+    monkeypatch.undo()
+    at_floor = plan_and_wrap(copy.deepcopy(ex.model), e.value.min_feasible_bytes / 1e9, example_inputs=ex.inputs,
+                             options=FAST)
+    assert at_floor.remat.plan.predicted_peak_bytes <= e.value.min_feasible_bytes
