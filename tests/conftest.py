@@ -193,8 +193,11 @@ class Planned:
         the InfeasibleBudgetError's; where that budget fits (plan_and_wrap then searches no floor:
         fit.py NOTE [ floor if needed ]), the refusal of a budget of one byte names it."""
         w = self.at(self.activation_budget(fraction))
-        if not isinstance(w, InfeasibleBudgetError):
-            w = self.at(1)
+        return w.min_feasible_bytes if isinstance(w, InfeasibleBudgetError) else self.refused_floor()
+
+    def refused_floor(self) -> int:
+        """The smallest feasible budget named by the refusal of a budget of one byte."""
+        w = self.at(1)
         assert isinstance(w, InfeasibleBudgetError), f"{self.name}: a budget of one byte was met"
         return w.min_feasible_bytes
 

@@ -72,7 +72,7 @@ def test_builtin_predicted_peak_is_the_measured_peak(case, builtin, name):
     c, b = case(name), builtin(name)
     half = b.at(c.budget(0.5))
     assert not isinstance(half, Exception), half
-    _check(b, {"unplanned": UNPLANNED, "50%": c.budget(0.5), "smallest feasible": half.remat.plan.min_feasible_bytes})
+    _check(b, {"unplanned": UNPLANNED, "50%": c.budget(0.5), "smallest feasible": b.refused_floor()})
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -131,5 +131,5 @@ def test_zoo_floor_is_not_above_checkpointing_every_block(zoo_case, name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_builtin_floor_is_not_above_checkpointing_every_block(case, builtin, name):
     c, b = case(name), builtin(name)
-    floor = b.at(c.budget(0.5)).remat.plan.min_feasible_bytes
+    floor = b.refused_floor()
     _check_floor(name, floor, {"every block checkpointed": every_block_peak(copy.deepcopy(b.pristine), b.example)})
