@@ -153,6 +153,17 @@ def every_block_peak(ex) -> int | None:
     return measured_step(_Graph(model, gm, a.traced), ex)
 
 
+def _refused_floor(pristine, ex, kwargs, options) -> int | None:
+    """The floor a plan that fits does not search (planner/fit.py NOTE [ floor if needed ]): the one
+    the refusal of a one-byte budget names."""
+    try:
+        plan_and_wrap(copy.deepcopy(pristine), 1e-9, example_inputs=ex.inputs, example_kwargs=kwargs,
+                      loss_fn=ex.loss_fn, options=options)
+        return None
+    except InfeasibleBudgetError as e:
+        return e.min_feasible_bytes
+
+
 def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions(), baselines: bool = False,
             **overrides) -> Row:
     """One row; with `baselines`, also the every-block and Hugging Face per-block peaks."""
@@ -164,17 +175,14 @@ def run_row(name: str, fraction: float = 0.5, options: PlanOptions = PlanOptions
                           loss_fn=ex.loss_fn, options=options).remat.plan
     fixed = fixed_bytes(model, (ex.inputs, kwargs))
     budget = int(fixed + fraction * (probe.unplanned_peak_bytes - fixed))
-    try:     # a plan that fits searches no floor (planner/fit.py NOTE [ floor if needed ]): a 1-byte budget's refusal names it
-        plan_and_wrap(copy.deepcopy(model), 1e-9, example_inputs=ex.inputs, example_kwargs=kwargs,
-                      loss_fn=ex.loss_fn, options=options)
-        floor = None
-    except InfeasibleBudgetError as e:
-        floor = e.min_feasible_bytes
     t0 = time.perf_counter()
     why, planned_at = "", budget
     try:
         wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,
                                 loss_fn=ex.loss_fn, options=options)
+        t1 = time.perf_counter()
+        floor = _refused_floor(ref, ex, kwargs, options)
+        t0 += time.perf_counter() - t1       # not the plan's time
     except InfeasibleBudgetError as e:
         planned_at = floor = e.min_feasible_bytes
         wrapped = plan_and_wrap(model, planned_at / 1e9, example_inputs=ex.inputs, example_kwargs=kwargs,

@@ -109,10 +109,10 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
 # NOTE [ floor if needed ]
 # The least-peak search behind `Plan.min_feasible_bytes` (a least-peak ILP, or the hierarchical
 # solver's least-peak chain, its refinements and polishing) was a third of a plan's time on the
-# built-in gpt2 (5.9 of 16.4 s of solve, measured with /tmp-style timers around each phase), and
+# built-in gpt2 (5.9 of 16.4 s of solve at u=0.5 on 2 cores, timed around each phase), and
 # a plan that fits does not need it. Without it the least-peak plan is not among the known plans
 # a solve may pick, which matters only at budgets near the floor: there the solve without it fails
-# and the solve with it (the full search, as before) runs.
+# and the solve with it (the full search, as before) runs: a refused budget is solved twice.
 
 
 def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: tuple,
