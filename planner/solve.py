@@ -40,7 +40,10 @@ simulator), which also reaches regions a large graph's candidate set leaves out.
 """
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -264,13 +267,55 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
     return Model(prob, x, y, B, cost)
 
 
+# NOTE [ solved once ]
+# CBC with one thread and a node limit is a function of what it is given: the problem, the start
+# solution and its options. A process solves the same problem again and again (a hierarchical
+# solve's segment fronts at every budget, the budget correction's rounds, each test's plan of a
+# model another test planned): `cbc` keeps each solve's result under the hash of exactly that input
+# (`problem_key`) and hands it back when it comes again, so no ILP is solved twice. A result CBC
+# reached at its time limit is kept too: the same input then gets the same plan in this process,
+# whatever the machine's load at the second call. `SOLVED` holds the last MEMO_ENTRIES results.
+MEMO_ENTRIES = 4096
+SOLVED: OrderedDict[str, tuple[int, int, dict[str, float | None]]] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def problem_key(prob, solver) -> str:
+    """The hash of what CBC is given: objective, constraints, variables (bounds, kinds and, for a
+    warm start, the start values), in the order they are written, and the solver's options."""
+    warm = bool(solver.optionsDict.get("warmStart", False))
+    h = hashlib.sha256(repr((type(solver).__name__, prob.sense, solver.timeLimit, solver.mip,
+                             sorted(solver.optionsDict.items()), list(solver.options))).encode())
+    h.update(repr([(v.name, c) for v, c in prob.objective.items()] if prob.objective is not None else None).encode())
+    for name, c in prob.constraints.items():
+        h.update(repr((name, c.sense, c.constant, [(v.name, a) for v, a in c.items()])).encode())
+    h.update(repr([(v.name, v.lowBound, v.upBound, v.cat, v.varValue if warm else None)
+                   for v in prob.variables()]).encode())
+    return h.hexdigest()
+
+
 def cbc(prob, solver) -> None:
-    """`prob.solve(solver)`, once more if CBC's process failed (PulpSolverError: it exited with an
-    error, seen on a machine loaded past its cores); a second failure is raised."""
+    """`prob.solve(solver)`, or its result if this process solved the same input before (NOTE
+    [ solved once ]); once more if CBC's process failed (PulpSolverError: it exited with an error,
+    seen on a machine loaded past its cores); a second failure is raised."""
+    key = problem_key(prob, solver)
+    with _memo_lock:
+        got = SOLVED.get(key)
+        if got is not None:
+            SOLVED.move_to_end(key)
+    if got is not None:
+        status, sol_status, values = got
+        prob.assignVarsVals(values)
+        prob.assignStatus(status, sol_status)
+        return
     try:
         prob.solve(solver)
     except pulp.PulpSolverError:
         prob.solve(solver)
+    with _memo_lock:
+        SOLVED[key] = (prob.status, prob.sol_status, {v.name: v.varValue for v in prob.variables()})
+        while len(SOLVED) > MEMO_ENTRIES:
+            SOLVED.popitem(last=False)
 
 
 def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None):

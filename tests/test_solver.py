@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pulp
 import pytest
 from conftest import ilp_peaks_of_random_plans
 
@@ -338,3 +339,29 @@ def test_reuse_plan_keeps_regions_where_they_fit_and_only_there():
     assert reuse_plan(larger, plan, 26 * MB) is None            # over the same bytes there: a new solve
     renamed = dataclasses.replace(small, nodes=tuple(dataclasses.replace(n, name=n.name + "_") for n in small.nodes))
     assert reuse_plan(renamed, plan, 26 * MB) is None           # another graph
+
+
+def test_the_same_ilp_is_solved_once(monkeypatch):
+    """NOTE [ solved once ]: a problem solved before in the process comes back from memory with
+    the plan a fresh CBC run gives; any change to what CBC is given (the budget, a warm start, an
+    option) is solved anew."""
+    import planner.solve as ilp
+    runs = []
+    real = pulp.LpProblem.solve
+    monkeypatch.setattr(pulp.LpProblem, "solve", lambda prob, solver=None: (runs.append(1), real(prob, solver))[1])
+    cg = chain(6, [8, 1, 8, 1, 6, 2], [1, 1, 1000, 1, 5, 1])
+    opts = SolveOptions(max_span=6, improve_evals=0)
+    ilp.SOLVED.clear()
+    first = solve_ilp(cg, 24 * MB, opts)
+    n = len(runs)
+    assert n > 0 and first is not None
+    again = solve_ilp(cg, 24 * MB, opts)
+    assert len(runs) == n and again.regions == first.regions
+    ilp.SOLVED.clear()
+    fresh = solve_ilp(cg, 24 * MB, opts)
+    assert len(runs) == 2 * n and fresh.regions == first.regions
+    for other in (dict(budget_bytes=23 * MB), dict(opts=dataclasses.replace(opts, max_nodes=7)),
+                  dict(warm_start=first.regions)):
+        before = len(runs)
+        solve_ilp(cg, **{"budget_bytes": 24 * MB, "opts": opts, **other})
+        assert len(runs) > before, other
