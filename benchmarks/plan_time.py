@@ -116,20 +116,20 @@ def main(argv=None) -> int:
     for name in args.models:
         ex = example(name)
         floor, unplanned = bounds(ex, options)
+        at = lambda u: int(floor + u * (unplanned - floor))  # noqa: E731
         for u in args.fractions:
             SOLVED.clear()              # a cold plan: no ILP this process solved before (NOTE [ solved once ])
-            rows.append(row(name, ex, u, int(floor + u * (unplanned - floor)), options))
+            rows.append(row(name, ex, u, at(u), options))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
         # a re-plan at another budget in the same process: u = 0.5 after a plan at u = 0.25
         SOLVED.clear()
-        _wrap(ex, int(floor + 0.25 * (unplanned - floor)) / 1e9, options)
-        rows.append(row(name, ex, "0.5 after 0.25", int(floor + 0.5 * (unplanned - floor)), options))
+        _wrap(ex, at(0.25) / 1e9, options)
+        rows.append(row(name, ex, "0.5 after 0.25", at(0.5), options))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         with tempfile.TemporaryDirectory() as cache:     # the same call in a second run: from the cache
             os.environ.update(REMAT_CACHE="1", REMAT_CACHE_DIR=cache)
-            budget = int(floor + 0.5 * (unplanned - floor))
-            row(name, ex, "cache: first", budget, options)
-            rows.append(row(name, ex, "cache: again", budget, options))
+            row(name, ex, "cache: first", at(0.5), options)
+            rows.append(row(name, ex, "cache: again", at(0.5), options))
             os.environ["REMAT_CACHE"] = "0"
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     old = None

@@ -41,9 +41,10 @@ simulator), which also reaches regions a large graph's candidate set leaves out.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import math
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -275,9 +276,11 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
 # model another test planned): `cbc` keeps each solve's result under the hash of exactly that input
 # (`problem_key`) and hands it back when it comes again, so no ILP is solved twice. A result CBC
 # reached at its time limit is kept too: the same input then gets the same plan in this process,
-# whatever the machine's load at the second call. `SOLVED` holds the last MEMO_ENTRIES results.
-MEMO_ENTRIES = 4096
-SOLVED: OrderedDict[str, tuple[int, int, dict[str, float | None]]] = OrderedDict()
+# whatever the machine's load at the second call. `SOLVED` holds the last MEMO_ENTRIES results,
+# each the statuses and the variables' values in `prob.variables()` order (the key holds that
+# order; NaN for no value): 8 bytes a variable, at most ~40 MB for the largest flat ILPs.
+MEMO_ENTRIES = 1024
+SOLVED: OrderedDict[str, tuple[int, int, array]] = OrderedDict()
 _memo_lock = threading.Lock()
 
 
@@ -315,7 +318,8 @@ def cbc(prob, solver) -> None:
             SOLVED.move_to_end(key)
     if got is not None:
         status, sol_status, values = got
-        prob.assignVarsVals(values)
+        for v, x in zip(prob.variables(), values, strict=True):
+            v.varValue = None if math.isnan(x) else x
         prob.assignStatus(status, sol_status)
         return
     try:
@@ -323,7 +327,8 @@ def cbc(prob, solver) -> None:
     except pulp.PulpSolverError:
         prob.solve(solver)
     with _memo_lock:
-        SOLVED[key] = (prob.status, prob.sol_status, {v.name: v.varValue for v in prob.variables()})
+        SOLVED[key] = (prob.status, prob.sol_status,
+                       array("d", [math.nan if v.varValue is None else v.varValue for v in prob.variables()]))
         while len(SOLVED) > MEMO_ENTRIES:
             SOLVED.popitem(last=False)
 
