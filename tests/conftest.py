@@ -232,8 +232,14 @@ def builtin(case):
 
 
 def pytest_collection_modifyitems(items):
-    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf")."""
+    """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf").
+    Tests that take a session-planned model (`zoo_case`, `builtin`) by its name are grouped by it:
+    with `-n 2 --dist loadgroup` one worker plans each such model once for all of them (test_zoo,
+    test_accuracy and test_wrap share its plans at 50% and at the floor), where two would each plan it."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(isinstance(v, str) and v.startswith("hf-") for v in params.values()):
             item.add_marker(pytest.mark.hf)
+        fixtures = getattr(item, "fixturenames", ())
+        if isinstance(params.get("name"), str) and ("zoo_case" in fixtures or "builtin" in fixtures):
+            item.add_marker(pytest.mark.xdist_group(("zoo-" if "zoo_case" in fixtures else "builtin-") + params["name"]))

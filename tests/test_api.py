@@ -394,3 +394,30 @@ def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
     at_floor = plan_and_wrap(copy.deepcopy(ex.model), e.value.min_feasible_bytes / 1e9, example_inputs=ex.inputs,
                              options=FAST)
     assert at_floor.remat.plan.predicted_peak_bytes <= e.value.min_feasible_bytes
+
+
+def test_a_budget_at_a_floor_already_found_goes_straight_to_the_full_search(monkeypatch):
+    """planner/fit.py NOTE [ floor if needed ]: after a refusal, a plan at the floor it named (or a
+    budget below the fixed bytes) runs the floor search at once, not first the solve without it
+    that would fail; the plan is the full search's, whatever FLOORS holds."""
+    import planner.fit as fit
+    ex = examples.EXAMPLES["mlp"]()
+    a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
+    cg = a.cost_graph
+    fit.FLOORS.clear()
+    calls = []
+    inner = fit._solve_plan
+    monkeypatch.setattr(fit, "_solve_plan", lambda cg, b, o, *r: calls.append(o.find_min_feasible) or inner(cg, b, o, *r))
+    with pytest.raises(InfeasibleBudgetError) as e:
+        fit.solve_plan(cg, 1, FAST, floor_if_needed=True)
+    assert calls == [True]                         # 1 byte is below the fixed bytes: no doomed first solve
+    floor = e.value.min_feasible_bytes
+    assert fit.FLOORS[fit.graph_key(cg)] == floor
+    calls.clear()
+    at_floor = fit.solve_plan(cg, floor, FAST, floor_if_needed=True)
+    assert calls == [True]
+    assert at_floor.regions == fit.solve_plan(cg, floor, FAST).regions     # the full search's plan
+    calls.clear()
+    fit.FLOORS.clear()                              # unknown floor, a budget well above it: the quick solve first
+    above = fit.solve_plan(cg, int(floor * 1.5), FAST, floor_if_needed=True)
+    assert calls == [False] and above.min_feasible_bytes is None
