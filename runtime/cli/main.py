@@ -31,6 +31,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
 from planner.errors import BudgetError
 from planner.result import Plan
+from planner.rng import rng_preserved
 from planner.simulate import timeline
 
 from . import plots
@@ -266,7 +267,7 @@ def _min_feasible(points: list[SweepPoint]) -> int | None:
 def _require_plots(out: str) -> None:
     """Fail now, not after the long work, if matplotlib is missing or `out` is not writable."""
     try:
-        plots.pyplot()
+        plots.figure()
     except plots.PlotUnavailable as e:
         raise UsageError(f"{e}; or pass --no-plot") from e
     try:
@@ -413,30 +414,31 @@ class _Say(logging.Handler):
 @contextlib.contextmanager
 def _say_logs(say):
     """Inside: the library's log (the `remat` logger: fallbacks, opaque modules) as progress lines
-    on stderr (none with --quiet or --json), a failing op under fake tensors not logged with its
-    traceback (we report it in one line), and the profiler that meters compiled steps quiet on
-    stderr (kineto's USDT lines, level 5; kineto reads this when the profiler is first used).
-    Afterwards the loggers and the environment are as they were: `main` called in a process (a
-    test, a notebook) leaves no trace."""
+    on stderr (none with --quiet or --json), and a failing op under fake tensors not logged with
+    its traceback (we report it in one line). Afterwards both loggers are as they were, however
+    the block ends (a return, an error, SystemExit): `main` called in a process (a test, a
+    notebook) leaves no trace. The profiler's quiet environment is runtime.measure's (_kineto_quiet)."""
     log, fake = logging.getLogger("remat"), logging.getLogger("torch._subclasses.fake_tensor")
-    before = (log.handlers[:], log.level, log.propagate, fake.level, os.environ.get("KINETO_LOG_LEVEL"))
+    before = (log.handlers[:], log.level, log.propagate, fake.level)
     log.handlers[:] = [_Say(say)]
     log.setLevel(logging.INFO)
     log.propagate = False
     fake.setLevel(logging.CRITICAL)
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         yield
     finally:
-        log.handlers[:], level, log.propagate, fake_level, kineto = before
+        log.handlers[:], level, log.propagate, fake_level = before
         log.setLevel(level)
         fake.setLevel(fake_level)
-        if kineto is None:
-            os.environ.pop("KINETO_LOG_LEVEL", None)
-        else:
-            os.environ["KINETO_LOG_LEVEL"] = kineto
 
 
+# NOTE [ main leaves no trace ]: `main` called in a process (a test, a notebook) leaves it as a
+# separate `remat` process would: the loggers as they were (_say_logs), and every RNG, so that
+# a user factory's draws (its weights, its inputs) do not move the caller's random stream and a
+# second call builds the same model. Both hold however a command ends, SystemExit included.
+# What the planner and runtime.measure change they put back themselves (planner.kernels,
+# planner.trace._quiet, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
+# them all to a snapshot of the process.
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parser().parse_args(_glue_values(sys.argv[1:] if argv is None else list(argv)))
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = a.quiet or a.json
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        with _say_logs(say):
+        with _say_logs(say), rng_preserved():    # NOTE [ main leaves no trace ]
             return {"report": cmd_report, "check": cmd_check, "sweep": cmd_sweep}[a.command](a, say)
     except (UsageError, BudgetError) as e:
         print(f"remat: error: {e}", file=sys.stderr)

@@ -1,7 +1,12 @@
 """PNG plots for `remat sweep`: the budget / extra-compute trade-off, and one step's memory over time.
 
 matplotlib is optional (`pip install matplotlib`, or the `remat[plot]` extra); it is imported
-only when a plot is drawn, with the non-interactive Agg backend.
+only when a plot is drawn.
+
+NOTE [ no pyplot ]: figures are `matplotlib.figure.Figure` objects saved straight to PNG, never
+pyplot's: pyplot keeps every figure it makes and `matplotlib.use("Agg")` switches the process's
+backend, so `main` called in a notebook would leave its inline plots on Agg. A Figure made by
+itself is drawn by the PNG writer (Agg) for this one save and then dropped.
 """
 from __future__ import annotations
 
@@ -21,15 +26,15 @@ class PlotUnavailable(ImportError):
         super().__init__("plots need matplotlib: pip install matplotlib (or remat[plot])")
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend; PlotUnavailable if matplotlib is missing."""
+def figure():
+    """A new Figure of FIGSIZE_IN and its one Axes, outside pyplot (NOTE [ no pyplot ]);
+    PlotUnavailable if matplotlib is missing."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise PlotUnavailable() from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    fig = Figure(figsize=FIGSIZE_IN)
+    return fig, fig.subplots()
 
 
 def _scale(max_bytes: float) -> tuple[float, str]:
@@ -40,10 +45,9 @@ def _scale(max_bytes: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def _save(fig, plt, path: Path) -> Path:
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
     return Path(path)
 
 
@@ -51,9 +55,8 @@ def tradeoff_png(path: Path, budget_bytes: list[int], extra_pct: list[float],
                  measured: list[tuple[int, float]], unplanned_bytes: int, min_feasible_bytes: int | None,
                  title: str) -> Path:
     """Predicted extra compute (% of the forward) against the budget; measured points as markers."""
-    plt = pyplot()
     div, unit = _scale(unplanned_bytes)
-    fig, ax = plt.subplots(figsize=FIGSIZE_IN)
+    fig, ax = figure()
     ax.plot([b / div for b in budget_bytes], extra_pct, "o-", color="tab:blue", label="predicted")
     if measured:
         ax.plot([b / div for b, _ in measured], [m for _, m in measured], "s", color="tab:orange",
@@ -69,16 +72,15 @@ def tradeoff_png(path: Path, budget_bytes: list[int], extra_pct: list[float],
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def memory_png(path: Path, unplanned: Timeline, planned: Timeline | None, budget_bytes: int,
                regions: tuple[Region, ...], title: str) -> Path:
     """Live bytes per node, forward then backward (nodes in reverse), without and with the plan."""
-    plt = pyplot()
     n = len(unplanned.fwd)
     div, unit = _scale(max(unplanned.peak_bytes, budget_bytes))
-    fig, ax = plt.subplots(figsize=FIGSIZE_IN)
+    fig, ax = figure()
     steps = range(2 * n)
     for tl, name, color in ((unplanned, "without plan", "tab:red"), (planned, "with plan", "tab:blue")):
         if tl is not None:
@@ -98,4 +100,4 @@ def memory_png(path: Path, unplanned: Timeline, planned: Timeline | None, budget
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    return _save(fig, plt, path)
+    return _save(fig, path)

@@ -1,6 +1,7 @@
 """The real peak memory of a training step: live tensor bytes on CPU, the allocator's on CUDA."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -58,9 +59,8 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
     Each profiler memory event carries the byte delta of one allocation or free; their running
     sum from the start of the step is what the step holds on top of what existed before it.
     """
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")    # kineto's USDT start/stop lines off (read at first use)
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
@@ -70,3 +70,16 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
         peak = max(peak, held)
     return sum(resident.values()) + peak
 
+
+@contextlib.contextmanager
+def _kineto_quiet():
+    """Inside, KINETO_LOG_LEVEL is 6 unless the user set it: kineto's USDT start/stop lines off on
+    stderr (it reads the level when the profiler is first used). After, the environment is as it
+    was: a process (and the processes it starts) does not inherit the setting."""
+    before = os.environ.get("KINETO_LOG_LEVEL")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
