@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  NOTE [ import side effects ] below
 
 import planner.kernels as kernels
 from planner import PlanOptions, SolveOptions
@@ -22,19 +21,31 @@ from runtime.cli import plots
 from runtime.cli.main import main
 from runtime.measure import allocator_peak
 
-# NOTE [ import side effects ]: the first fake-tensor step imports torch._dynamo, whose import sets
-# TORCHINDUCTOR_CACHE_DIR and registers torch's artifact loggers, once a process: torch's own
-# doing, not remat's. Imported above, so a snapshot sees only what a call itself changes.
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_warmed():
+    """NOTE [ torch's first time ]: some of what a first call changes is torch's, once a process:
+    the first fake-tensor step imports torch._dynamo, whose import sets TORCHINDUCTOR_CACHE_DIR
+    and registers torch's artifact loggers, and torch.export's first structured log removes its
+    lazy trace handler from the `torch.__trace` logger (no TORCH_TRACE set). One export of a
+    Linear does all of it before any snapshot, so a snapshot sees only what remat changes. The
+    `remat` logger is made here too, so that every test compares it with what it was."""
+    logging.getLogger("remat")
+    with torch.random.fork_rng(devices=[]):
+        torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
 
 QUICK = PlanOptions(solve=SolveOptions(time_limit_s=2.0))
 SDPA = "aten::scaled_dot_product_attention"
 
 
 def _loggers() -> dict[str, tuple]:
-    """The root logger and every `remat*` / `torch*` logger: handlers, level, propagate, disabled, filters."""
+    """The root logger and every `remat*` / `torch*` logger: handlers, level, propagate, disabled,
+    filters. pytest's capture handlers are left out: pytest adds them to the root and to every
+    non-propagating logger as each phase of a test starts, and takes them off as it ends."""
     named = {n: lg for n, lg in logging.root.manager.loggerDict.items()
              if isinstance(lg, logging.Logger) and n.split(".")[0] in ("remat", "torch")}
-    return {n: (tuple(lg.handlers), lg.level, lg.propagate, lg.disabled, tuple(lg.filters))
+    return {n: (tuple(h for h in lg.handlers if not type(h).__module__.startswith("_pytest")),
+                lg.level, lg.propagate, lg.disabled, tuple(lg.filters))
             for n, lg in {"": logging.root, **named}.items()}
 
 
@@ -80,7 +91,7 @@ def snapshot() -> dict:
 
 def changes(before: dict, after: dict) -> list[str]:
     """What differs, one line each. A logger made during the call is a change only if it is not
-    in its default state (no handlers, NOTSET)."""
+    in its default state (no handlers, NOTSET, propagating, enabled, no filters)."""
     out = [f"{k}: {before[k]!r:.200} -> {after[k]!r:.200}" for k in before
            if k not in ("loggers", "environ") and before[k] != after[k]]
     for name in sorted(set(before["environ"]) | set(after["environ"])):
@@ -88,7 +99,7 @@ def changes(before: dict, after: dict) -> list[str]:
             out.append(f"os.environ[{name!r}]: {before['environ'].get(name)!r} -> {after['environ'].get(name)!r}")
     for name, state in after["loggers"].items():
         old = before["loggers"].get(name)
-        if (old is None and (state[0] or state[1] != logging.NOTSET)) or (old is not None and old != state):
+        if (old or ((), logging.NOTSET, True, False, ())) != state:
             out.append(f"logger {name!r} (handlers, level, propagate, disabled, filters): {old} -> {state}")
     return out
 
@@ -115,7 +126,7 @@ def test_cli_leaves_the_process_as_it_was(unchanged, capsys, name):
     assert ("OK: predicted peak" in out or "smallest feasible" in out) if code == 0 else "remat: error:" in err
 
 
-EXITING = '''
+MODELS = '''
 import sys
 import torch
 
@@ -135,6 +146,19 @@ def make():
 
 def make_exits():
     sys.exit(4)
+
+
+class Lenny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * len(x)     # fx cannot trace len(): captured by torch.export
+
+
+def make_len():
+    return Lenny(), torch.randn(4, 8)
 '''
 
 
@@ -143,11 +167,20 @@ def test_cli_restores_the_process_when_model_code_exits(unchanged, tmp_path, cap
     """SystemExit from the user's code (the factory, or the forward while being traced) goes
     through `main` and everything it set is put back on the way out, torch's RNG included (the
     factory drew from it: its Linear and its input)."""
-    path = tmp_path / "exiting.py"
-    path.write_text(EXITING)
+    path = tmp_path / "models.py"
+    path.write_text(MODELS)
     with pytest.raises(SystemExit) as exc:
         main(["report", f"{path}:{factory}", "--budget", "1GB"])
     assert exc.value.code == code
+
+
+def test_cli_through_torch_export_leaves_the_process_as_it_was(unchanged, tmp_path, capsys):
+    """The export path: fx's failure and export's own logging silenced (planner.trace._quiet)
+    only while capturing."""
+    path = tmp_path / "models.py"
+    path.write_text(MODELS)
+    assert main(["report", f"{path}:make_len", "--budget", "1GB", "--quiet", "--time-limit", "2"]) == 0
+    assert "graph          torch.export" in capsys.readouterr().out
 
 
 def test_plan_and_wrap_leaves_the_process_as_it_was(unchanged):
