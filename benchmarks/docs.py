@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "README.md", ROOT / "docs" / "CLI.md")
+DOCS = (ROOT / "README.md", ROOT / "docs" / "cli.md", ROOT / "docs" / "large-models.md")
 MARKER = "remat-example"
 SLOW = "-slow"       # MARKER + SLOW: regenerated here, not run by the tests
 

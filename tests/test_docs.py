@@ -1,13 +1,18 @@
-"""The docs show what the program prints: every marked command example of README.md and
-docs/CLI.md (benchmarks/docs.py; regenerate with `python benchmarks/docs.py --write`)."""
+"""The docs show what the program prints: every marked command example of README.md,
+docs/cli.md and docs/large-models.md (benchmarks/docs.py; regenerate with
+`python benchmarks/docs.py --write`), and the README's Python example, run as written."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks.docs import DOCS, ROOT, ExampleError, block, examples, find_examples, normalise, rewrite, run_all
 from runtime.examples import EXAMPLES
 
-CLI_MD = ROOT / "docs" / "CLI.md"
+CLI_MD = ROOT / "docs" / "cli.md"
+README = ROOT / "README.md"
 FOUND = examples(slow=False)
 SLOW = [e for e in examples() if e.slow]
 
@@ -50,7 +55,7 @@ def test_rewrite_writes_the_output_under_each_marker():
 # ------------------------------------------------------------------ what the docs mark
 def test_the_docs_mark_their_examples():
     commands = {e.command for e in FOUND}
-    assert {e.path for e in FOUND} == set(DOCS)
+    assert {e.path for e in FOUND + SLOW} == set(DOCS)
     readme = [e.command for e in FOUND if e.path.name == "README.md"]
     assert any(c.startswith("remat report --budget") for c in readme), readme   # the built-in gpt2's report
     cli = [e.command.split()[1] for e in FOUND if e.path == CLI_MD]
@@ -69,18 +74,18 @@ _PLACEHOLDERS = {"MODEL", "[MODEL]", "path/to/file.py:factory", "package.module:
 
 
 def test_cli_md_names_models_that_exist():
-    """Every MODEL a command in docs/CLI.md names is a built-in or a factory that exists (the zoo
+    """Every MODEL a command in docs/cli.md names is a built-in or a factory that exists (the zoo
     models are factories now: `benchmarks/zoo_models.py:hf_llama`, not `hf-llama`)."""
     named = [m for m in _COMMAND.findall(CLI_MD.read_text()) if not m.startswith("-")]
     assert named
     for model in named:
         if model in EXAMPLES or model in _PLACEHOLDERS:
             continue
-        assert ":" in model, f"docs/CLI.md: `{model}` is neither a built-in ({', '.join(EXAMPLES)}) nor a factory"
+        assert ":" in model, f"docs/cli.md: `{model}` is neither a built-in ({', '.join(EXAMPLES)}) nor a factory"
         where, factory = model.rsplit(":", 1)
         path = ROOT / where
-        assert path.is_file(), f"docs/CLI.md: {where} does not exist"
-        assert re.search(rf"^def {re.escape(factory)}\(", path.read_text(), re.M), f"docs/CLI.md: no {factory} in {where}"
+        assert path.is_file(), f"docs/cli.md: {where} does not exist"
+        assert re.search(rf"^def {re.escape(factory)}\(", path.read_text(), re.M), f"docs/cli.md: no {factory} in {where}"
 
 
 # ------------------------------------------------------------------ the docs against the program
@@ -95,3 +100,24 @@ def test_example_shows_what_the_program_prints(example):
     assert r.returncode == (1 if r.stdout.startswith("FAIL") else 0), r.stderr
     if "--quiet" in example.command.split():
         assert r.stderr == "", f"`{example.command}` printed on stderr:\n{r.stderr}"
+
+
+# ------------------------------------------------------------------ the README's Python example
+_PYTHON_EXAMPLE = re.compile(r"^<!-- remat-python-example -->\n```python\n(?P<code>.*?)^```\n"
+                             r"[^\n]*\n```text\n(?P<prints>.*?)^```", re.M | re.S)
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path):
+    """The README's complete example (under `<!-- remat-python-example -->`), run as a user runs it:
+    a fresh process in an empty folder, this checkout first on the path, no plan cache; it prints
+    what the README says it prints."""
+    found = _PYTHON_EXAMPLE.findall(README.read_text())
+    assert len(found) == 1, "README.md: one `<!-- remat-python-example -->` python block, then its ```text output"
+    code, prints = found[0]
+    (tmp_path / "example.py").write_text(code)
+    env = {**os.environ, "REMAT_CACHE": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == prints.strip(), f"README.md's Python example now prints:\n{r.stdout}"

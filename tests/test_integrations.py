@@ -204,13 +204,13 @@ def test_the_wrapped_model_keeps_its_signature_and_copies():
     assert twin.remat.model is twin and twin.forward.__self__ is twin
 
 
-_DOC = Path(__file__).resolve().parents[1] / "docs" / "INTEGRATIONS.md"
+_DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
 SNIPPETS = re.findall(r"^## (.+?)\n```python\n(.*?)^```", _DOC.read_text(), re.S | re.M)
 
 
 @pytest.mark.parametrize("title,code", SNIPPETS, ids=[t for t, _ in SNIPPETS])
 def test_the_integrations_guide_runs(title, code, tmp_path, monkeypatch):
-    """Each example of docs/INTEGRATIONS.md runs as written, in a fresh folder."""
+    """Each example of docs/integrations.md runs as written, in a fresh folder."""
     pytest.importorskip("accelerate")
     pytest.importorskip("lightning")
     import accelerate

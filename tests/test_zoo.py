@@ -1,7 +1,7 @@
 """Real architectures (benchmarks/zoo_models.py): every one plans, trains exactly like the original, and fits.
 
 One test per architecture at 50% of its activation memory (benchmarks/zoo.py prints the same
-rows as the README's table; the plans are conftest's session-cached `zoo_case`, which
+rows as docs/benchmarks.md's "Real models" table; the plans are conftest's session-cached `zoo_case`, which
 test_accuracy.py checks predicted against measured on), then the semantics a wrapped model must
 keep: autocast, no_grad and eval, state_dict round trips, tied weights, re-planning for a new shape.
 """
@@ -16,7 +16,7 @@ from runtime import plan_and_wrap
 from runtime.measure import peak_memory, preserved
 from benchmarks.zoo_models import ZOO
 
-from conftest import FAST, max_diff, planned_step, step as _step
+from conftest import FAST, kept_plans, max_diff, planned_step, step as _step
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +69,12 @@ def _pair(name: str, **kw):
     _needs(name)
     ex = ZOO[name](**kw)
     ref = copy.deepcopy(ex.model)
-    probe = plan_and_wrap(copy.deepcopy(ex.model), 1e6, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
-                          loss_fn=ex.loss_fn, options=FAST).remat.plan
-    budget = 0.75 * probe.unplanned_peak_bytes / 1e9
-    wrapped = plan_and_wrap(ex.model, budget, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
-                            loss_fn=ex.loss_fn, options=FAST)
+    with kept_plans():      # the subject is the wrapped model's semantics: one plan serves every test
+        probe = plan_and_wrap(copy.deepcopy(ex.model), 1e6, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                              loss_fn=ex.loss_fn, options=FAST).remat.plan
+        budget = 0.75 * probe.unplanned_peak_bytes / 1e9
+        wrapped = plan_and_wrap(ex.model, budget, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                                loss_fn=ex.loss_fn, options=FAST)
     assert wrapped.remat.plan.regions
     return ex, ref, wrapped
 
