@@ -69,7 +69,8 @@ def _torch_state() -> dict:
 
 def _python_state() -> dict:
     np = sys.modules.get("numpy")
-    return {"environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "warning filters": list(warnings.filters),
+    environ = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}     # pytest's, each phase
+    return {"environ": environ, "warning filters": list(warnings.filters),
             "logging disabled": logging.root.manager.disable, "random": random.getstate(),
             "numpy random": repr(np.random.get_state()) if np else None, "cwd": os.getcwd(),
             "streams": (sys.stdout, sys.stderr), "sys.path": list(sys.path),
