@@ -6,7 +6,7 @@ MODEL is a built-in example (gpt2, mlp, resnet, unet), `path/to/file.py:factory`
 docs/example_model.py is one, benchmarks/zoo_models.py has real architectures).
 Exit codes: 0 fits (report, check) or sweep done, 1 does not fit (or over the overhead cap),
 2 usage or model errors. Progress goes to stderr; `--quiet` and `--json` keep it off.
-See docs/CLI.md.
+See docs/cli.md.
 """
 from __future__ import annotations
 
