@@ -307,10 +307,14 @@ def problem_key(prob, solver) -> str:
     return h.hexdigest()
 
 
+CBC_ATTEMPTS = 4
+
+
 def cbc(prob, solver) -> None:
     """`prob.solve(solver)`, or its result if this process solved the same input before (NOTE
-    [ solved once ]); once more if CBC's process failed (PulpSolverError: it exited with an error,
-    seen on a machine loaded past its cores); a second failure is raised."""
+    [ solved once ]); again if CBC's process failed (PulpSolverError: it exited with an error,
+    seen on a machine loaded past its cores, twice in a row at a load of 7 on 2 cores), up to
+    CBC_ATTEMPTS runs in all; the last failure is raised."""
     key = problem_key(prob, solver)
     with _memo_lock:
         got = SOLVED.get(key)
@@ -322,10 +326,13 @@ def cbc(prob, solver) -> None:
             v.varValue = None if math.isnan(x) else x
         prob.assignStatus(status, sol_status)
         return
-    try:
-        prob.solve(solver)
-    except pulp.PulpSolverError:
-        prob.solve(solver)
+    for attempt in range(CBC_ATTEMPTS):
+        try:
+            prob.solve(solver)
+            break
+        except pulp.PulpSolverError:
+            if attempt == CBC_ATTEMPTS - 1:
+                raise
     with _memo_lock:
         SOLVED[key] = (prob.status, prob.sol_status,
                        array("d", [math.nan if v.varValue is None else v.varValue for v in prob.variables()]))
