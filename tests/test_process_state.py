@@ -207,6 +207,16 @@ def test_plots_keep_the_users_matplotlib_backend(svg_backend, unchanged, tmp_pat
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_sweep_measured_with_plots_leaves_the_process_as_it_was(svg_backend, unchanged, tmp_path, capsys):
+    """Every command's other half: plots drawn, plans run for real (runtime.measure), in one call."""
+    argv = ["sweep", "mlp", "--budgets", "50%..100%", "--steps", "2", "--measure", "--out", str(tmp_path),
+            "--time-limit", "2", "--quiet"]
+    assert main(argv) == 0
+    assert (tmp_path / "tradeoff.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "memory.png").is_file()
+
+
 @pytest.mark.parametrize("kineto", [None, "3"])
 def test_allocator_peak_leaves_kineto_log_level(monkeypatch, kineto):
     """runtime.measure quiets kineto only while it profiles; the user's own level is kept."""
