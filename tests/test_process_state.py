@@ -34,6 +34,7 @@ def torch_warmed():
     with torch.random.fork_rng(devices=[]):
         torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
 
+
 QUICK = PlanOptions(solve=SolveOptions(time_limit_s=2.0))
 SDPA = "aten::scaled_dot_product_attention"
 
