@@ -16,13 +16,16 @@ them. Per rank:
   held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
                buffers (P_U + S_U, freed once copied out), plus P_V of every unit V whose forward
                ran before t and that is not resharded after forward, plus the flat output of the
-               latest all-gather (FSDP2 keeps it until it issues the next one),
+               latest all-gather (FSDP2 keeps it until it issues the next one, or until the
+               root's post-forward: not while the loss, node n-1, runs),
   held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
                unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
                the reduce-scatter's buffers (g_U + s_U), the input of the previous unit's
                reduce-scatter (kept by FSDP2 until it issues the next), plus P_V of the units not
                resharded after forward whose backward has not run yet, plus the latest
-               all-gather's flat output (as in forward),
+               all-gather's flat output: none in the loss's backward, the first unit's (which
+               the root's pre-backward prefetches) in the root's last nodes', then the one U's
+               prefetch issued,
   param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
 The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
 Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
@@ -146,16 +149,19 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
 def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None,
               prefetch: int) -> None:
     """FSDP2 keeps the flat output of its latest all-gather until it issues the next one (a
-    stream may still copy out of it). Forward: the unit gathered last (the root's before the
-    first unit). Backward: the last one issued, U's and its prefetch's at hi_U (forward's last
-    before that); whether it is freed before a node's peak depends on the collective's thread
-    (measured on gloo: one unit's P_U either way), so it is counted."""
+    stream may still copy out of it); the root's post-forward frees the last one, before the
+    loss (node n-1) runs. Forward: the unit gathered last (the root's before the first unit),
+    up to the loss. Backward: none during the loss's; the root's pre-backward hook (on its
+    outputs, after the loss's backward) prefetches the first unit of backward, in flight while
+    the root's last nodes run backward; then, from hi_U down, the one U's prefetch issued.
+    Whether it is freed before a node's peak depends on the collective's thread (measured on
+    gloo: one unit's P_U either way), so it is counted."""
     n = len(fwd)
     issued = [(0, root.unsharded_bytes if root else 0)] + [(lo, size) for (lo, _), size in spans]
-    for (start, size), nxt in zip(issued, issued[1:] + [(n, 0)]):
+    for (start, size), nxt in zip(issued, issued[1:] + [(n - 1, 0)]):
         for t in range(start, nxt[0]):
             fwd[t] += size
-    held = [spans[-1][1] if spans else 0] * n
+    held = [spans[-1][1] if spans else 0] * (n - 1) + [0]
     for k in range(len(spans) - 1, -1, -1):
         (lo, hi), _ = spans[k]
         size = spans[max(0, k - prefetch)][1]

@@ -97,7 +97,13 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False):
     the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
     with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake, device_kernels():
-        state = {k: fake_copy(fake, v) for k, v in real.items()}
+        # a tensor under two names (tied weights) is one fake copy: from_tensor memoizes, but a
+        # freed storage's copy (fake_copy) is made anew at each call
+        copies: dict[int, torch.Tensor] = {}
+        for v in real.values():
+            if id(v) not in copies:
+                copies[id(v)] = fake_copy(fake, v)
+        state = {k: copies[id(v)] for k, v in real.items()}
         fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         existing = []
         if grads:

@@ -53,15 +53,31 @@ def test_per_rank_fsdp_by_hand():
     assert [c.unit for c in cg.nodes] == ["", "a", "a", "b", "b", ""]
     assert not cg.nodes[0].recomputable and cg.nodes[0].why_not == ROOT_WHY
     # forward: a unit's parameters while it runs, at its first node the all-gather's buffers, and
-    # the latest all-gather's output, kept until the next all-gather (b's through the loss)
-    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 16]
+    # the latest all-gather's output, kept until the next all-gather (b's until the root's
+    # post-forward frees it: not during the loss)
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 0]
     # backward (b runs first, with a prefetched): parameters, its gradients until the
     # reduce-scatter at its first node, whose buffers (16 + 8) are there too; while a runs, b's
-    # reduce-scatter input (16), kept until a's reduce-scatter is issued; everywhere, the latest
-    # all-gather's output (16: b's from forward, then a's, prefetched at b's last node)
-    assert [c.bwd_held_bytes // MB - 16 for c in cg.nodes] == [0, 16 + 16 + 24 + 16, 16 + 24 + 8 + 16,
-                                                               16 + 16 + 16 + 24, 16 + 16 + 24 + 8, 0]
+    # reduce-scatter input (16), kept until a's reduce-scatter is issued; the latest all-gather's
+    # output (16: a's, prefetched at b's last node; none during the loss's backward)
+    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [16, 16 + 16 + 16 + 24 + 16, 16 + 16 + 24 + 8 + 16,
+                                                          16 + 16 + 16 + 16 + 24, 16 + 16 + 16 + 24 + 8, 0]
     assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 4, 4, 4, 4, 0]    # shards stay
+
+
+def test_the_roots_last_nodes_hold_the_first_backward_units_all_gather():
+    """A head in the root after the last unit: in forward it runs while that unit's all-gather
+    output is kept (freed by the root's post-forward, before the loss); in backward, the root's
+    pre-backward hook (after the loss's backward) prefetches that unit: its all-gather output is
+    in flight while the head runs backward, and nothing is during the loss's."""
+    mods = ["", "a", "a.up", ""]
+    nodes = [_node(i, m, 8 if m else 0) for i, m in enumerate(mods)] + [_node(4, "", last=True)]
+    storages = [StorageCost(4 * MB, i, (i + 1,), (i + 1,)) for i in range(4)]
+    cg = per_rank(CostGraph(tuple(nodes), tuple(storages), 24 * MB, 16 * MB),
+                  Sharding("fsdp", 2, (Unit("", 0, 0, 0, 0, False), Unit("a", 16 * MB, 8 * MB, 16 * MB, 8 * MB))))
+    assert [c.unit for c in cg.nodes] == ["", "a", "a", "", ""]
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16, 0]
+    assert [c.bwd_held_bytes // MB for c in cg.nodes][3:] == [16, 0]
 
 
 def test_held_bytes_are_live_while_a_region_recomputes():
@@ -187,22 +203,30 @@ def test_the_cli_refuses_what_one_process_cannot_do_for_a_job(capsys, monkeypatc
     assert "--fsdp and --ddp plan one rank" in err and "Traceback" not in err
 
 
-def test_parameters_with_freed_storage_profile_as_the_real_ones():
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameters_with_freed_storage_profile_as_the_real_ones(tied):
     """The planning copy's parameters hold no memory (their storage freed, as FSDP2 frees gathered
-    ones): the profile sees them at their full size, so it equals the real model's."""
+    ones): the profile sees them at their full size, so it equals the real model's; a tied
+    weight (an embedding and its output layer, as GPTs tie them) is counted once."""
     import torch
 
     from planner import analyze
     from runtime.distributed import _empty
 
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 50))
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),
+                            torch.nn.Linear(16, 50, bias=False))
+    if tied:
+        m[4].weight = m[0].weight
     x = torch.randint(0, 50, (4, 8))
     real = analyze(m, (x,)).cost_graph
+    freed = {}
     for mod in m.modules():
-        for k, p in list(mod._parameters.items()):
-            mod._parameters[k] = torch.nn.Parameter(_empty(p.shape, p.dtype, p.device))
-    assert sum(p.untyped_storage().nbytes() for p in m.parameters()) == 0
+        for k, p in [(k, p) for k, p in mod._parameters.items() if p is not None]:
+            if id(p) not in freed:
+                freed[id(p)] = torch.nn.Parameter(_empty(p.shape, p.dtype, p.device))
+            mod._parameters[k] = freed[id(p)]
+    assert sum(p.untyped_storage().nbytes() for p in m.parameters()) == 0 and (m[4].weight is m[0].weight) == tied
     freed = analyze(m, (x,)).cost_graph
     assert (freed.fixed_bytes, freed.param_bytes) == (real.fixed_bytes, real.param_bytes)
     assert timeline(freed, ()).peak_bytes == timeline(real, ()).peak_bytes
