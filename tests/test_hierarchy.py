@@ -13,8 +13,10 @@ from planner import CostGraph, PlanOptions, SolveOptions, solve_plan
 from planner.baselines import blocks, sac_keepable
 from planner.candidates import FULL_PAIRS, candidates
 from planner.costgraph import NodeCost, StorageCost
-from planner.hierarchy import (HierarchicalSolver, block_graph, block_types, chain_dp, for_graph, segment_graph,
-                               segments)
+from planner.blocks import block_graph, block_types, segments
+from planner.chain import chain_dp
+from planner.hierarchy import HierarchicalSolver, for_graph
+from planner.segment import segment_graph
 from planner.improve import search
 from planner.simulate import timeline
 from planner.solve import solve_ilp, solve_min_peak
@@ -92,7 +94,7 @@ def valid(cg: CostGraph, regions) -> bool:
 # ------------------------------------------------------------------------------ structure
 def test_the_hierarchy_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import planner.hierarchy, planner.costgraph, planner.fit\n"
+            "import planner.hierarchy, planner.blocks, planner.segment, planner.chain, planner.costgraph, planner.fit\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m]]\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
@@ -221,7 +223,7 @@ def test_the_chain_alone_is_near_the_optimum_of_its_plan_space(seed):
 
 
 def test_chain_dp_takes_the_cheapest_mix():
-    from planner.hierarchy import Option
+    from planner.segment import Option
     # two blocks, each keeping 10 bytes for free or 2 at a cost of 1, peaking 10 above what the
     # blocks before it keep: within 15 the first must keep 2, the second need not
     o = [Option((), 10, 10, 0.0), Option((), 2, 10, 1.0)]

@@ -1,0 +1,108 @@
+"""The chain: one option per segment, picked by a DP over the bytes kept so far (pure: no torch;
+planner/hierarchy.py's step 4).
+
+NOTE [ chain ]): with regions inside segments, the step's live bytes at node t of
+   segment i are base(t) + sum_{j<i} K_j + d_i(t), where d_i is what segment i's own plan adds at t.
+   A DP over the segments (`chain_dp`), its state the bytes kept so far, picks one option per
+   segment at the least recompute with sum_{j<i} K_j + M_i within the budget at every segment
+   (M_i: the most of base + d_i over segment i's nodes). Its choice then refines the fronts where
+   it lies (REFINE_SOLVES more ILPs per budget, WIDTH at once: the same K at a lower peak for the
+   options picked, gaps next to them), and the DP runs again.
+5. *The judge.* The chained plan is replayed by `simulate.timeline`; where the chain's prediction
+   missed (the decomposition is exact only under NOTE [ chain ]'s conditions) the DP runs again at a
+   budget corrected by the miss. On graphs small enough (POLISH_CANDIDATES), the flat ILP then
+   polishes it over a compact candidate set (every option's regions on every block of its family,
+   regions across block boundaries, the flat path's own candidates), warm-started from it; last,
+   the same local search (planner/improve.py) as after the flat ILP.
+
+`for_graph` returns a solver only for graphs too large for the exact flat ILP that have repeated
+blocks; `planner.fit.solve_plan` takes the flat path otherwise.
+
+NOTE [ chain ]
+Nodes fall into segments S_0 < S_1 < ... (node ranges). A plan whose regions each lie inside one
+segment is a choice P_i per segment. Backward at node t (simulate NOTE [ liveness ]) holds the
+plan-independent base (simulate.base_liveness), the kept storages released at points <= t, and
+t's region's working set. Attribute each kept storage to the segment of its release point: the
+kept storages released at or below t are those of the segments before t's (K_j, j < i) and those of
+t's own segment released at or below t. The segment's CostGraph has the storages that touch it,
+readers, holders and writers after it mapped to the sink (a storage the next block holds is
+released there, not in this segment) and storages made before it made by the source; a storage made
+before the segment that a node before it holds, or that an earlier segment (other than the
+producer's) reads too, is an output there: an earlier segment decides whether it is kept (a mask or
+rotary table every block reads is counted by the first block that reads it). The segment graph's
+timeline less its own base is d_i(t), exactly, when each storage's reasons to be kept lie in one
+segment: the residual stream between blocks (made by block i's last add, read and held by block
+i + 1) does. Forward at t holds the storages kept by earlier segments whose last reader is before t:
+K_j counts every storage released in S_j, which is never less. Where reasons lie in two segments
+(block i's last node SAC-kept while block i + 1 reads its output in a region; a shared table kept
+only by a later block) the chain is off by those storages' bytes, one way or the other; the
+simulator's correction (step 5) takes care of it.
+"""
+from __future__ import annotations
+
+import math
+
+from .segment import Option
+
+DP_STATES = 3000     # states the chain DP keeps per segment (beyond that, the cheapest per bucket of bytes)
+
+
+def chain_dp(options: list[list[Option]], budget: int) -> tuple[float, list[int]] | None:
+    """One option per segment, least total cost, with every segment's kept-so-far + M within
+    `budget` (NOTE [ chain ]): (cost, option index per segment), or None when none fits. The
+    states per segment are the Pareto front of (bytes kept so far, cost)."""
+    states = [(0, 0.0, -1, -1)]          # (kept so far, cost, previous state, option)
+    trail = []
+    for opts in options:
+        nxt = [(k + o.kept, c + o.cost_s, si, oi) for si, (k, c, _, _) in enumerate(states)
+               for oi, o in enumerate(opts) if k + o.peak <= budget]
+        if not nxt:
+            return None
+        nxt.sort()                       # ties in (kept, cost): the first made first, as made
+        front, best = [], math.inf
+        for e in nxt:                    # less kept, less cost
+            if e[1] < best - 1e-15:
+                front.append(e)
+                best = e[1]
+        if len(front) > DP_STATES:       # the cheapest per bucket of kept bytes
+            lo, hi = front[0][0], front[-1][0]
+            width = max(1, (hi - lo) // DP_STATES + 1)
+            buckets: dict[int, tuple] = {}
+            for e in front:
+                b = (e[0] - lo) // width
+                if b not in buckets or e[1] < buckets[b][1]:
+                    buckets[b] = e
+            front = sorted(buckets.values())
+        trail.append(front)
+        states = front
+    i = min(range(len(states)), key=lambda j: states[j][1])
+    cost, choice = states[i][1], []
+    for front in reversed(trail):
+        _, _, i, oi = front[i]
+        choice.append(oi)
+    return cost, choice[::-1]
+
+
+def chain_min_peak(options: list[list[Option]]) -> int:
+    """The least budget the chain DP meets: bisection, each budget checked by feasibility alone
+    (less kept so far is never worse, so one state per segment suffices)."""
+    def feasible(budget: int) -> bool:
+        k = 0
+        for opts in options:
+            ks = [k + o.kept for o in opts if k + o.peak <= budget]
+            if not ks:
+                return False
+            k = min(ks)
+        return True
+
+    lo = max(min(o.peak for o in opts) for opts in options)
+    hi = lo
+    while not feasible(hi):
+        hi = 2 * hi + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
