@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.utils._pytree import tree_flatten
+from .compat import tree_flatten
 
 from .budget import as_budget
 from .costgraph import CostGraph, accumulating, with_optimizer

@@ -12,7 +12,7 @@ A disagreement is returned as a sentence; planner.api then takes the next captur
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from .compat import tree_flatten, tree_map
 
 from .rng import rng_preserved
 from .state import buffers_restored, state_preserved

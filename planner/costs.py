@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_map
+from .compat import tree_map
 
 from .errors import RematError
 from .rates import DeviceRates

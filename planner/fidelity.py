@@ -22,7 +22,7 @@ import importlib
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from .compat import functorch_active, is_custom_op_class, tree_flatten
 
 _spectral_norm = importlib.import_module("torch.nn.utils.spectral_norm")   # the modules: torch.nn.utils
 _weight_norm = importlib.import_module("torch.nn.utils.weight_norm")       # exports functions by their names
@@ -53,7 +53,7 @@ def watching(proxies_only: bool):
     def watched_apply(cls, *args, **kwargs):
         # a torch.library custom op's autograd (its Function is generated there) is kept: the graph
         # records the op itself, whose registered backward runs when the graph runs
-        custom_op = cls.__module__.startswith("torch._library")
+        custom_op = is_custom_op_class(cls)
         if not custom_op and (not proxies_only or _proxies(args, kwargs)):
             own = cls is torch.utils.checkpoint.CheckpointFunction    # the user's reentrant checkpoint
             raise Unfaithful(f"custom autograd.Function {cls.__qualname__}",
@@ -84,7 +84,7 @@ class Modes:
     @staticmethod
     def _now() -> tuple:
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                torch._C._functorch.peek_interpreter_stack() is not None)
+                functorch_active())
 
     def check(self) -> bool | None:
         now = self._now()

@@ -18,10 +18,10 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from .compat import (TorchDispatchMode, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
+                     tree_map, tree_unflatten)
+from .compat import disable_current_modes as _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
 from .kernels import FLOP_FORMULAS

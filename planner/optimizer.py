@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from .compat import FakeTensorMode
 
 from .rng import rng_preserved
 from .storage import LiveBytes

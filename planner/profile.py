@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           UnsupportedOperatorException)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._pytree import tree_flatten
+from .compat import (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+                     tree_flatten)
 from torch.utils.flop_counter import FlopCounterMode
 
 from .costgraph import CostGraph, NodeCost, StorageCost

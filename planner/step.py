@@ -14,9 +14,8 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from .compat import FakeTensorMode, tree_flatten, tree_map
 
 from .kernels import device_kernels
 from .rng import rng_preserved

@@ -18,9 +18,8 @@ import weakref
 from typing import Iterable
 
 import torch
-import torch._prims_common
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from .compat import TorchDispatchMode, current_fake_mode, suggest_memory_format, tree_flatten
+from .compat import disable_current_modes as _disable_current_modes
 
 
 # ATen kernels that return a reduced loss (mean or sum) as a 0-dim view of their unreduced,
@@ -71,7 +70,7 @@ def real_layout(func, args, out):
         return out
     out = tuple(out)
     if name in SUGGESTED_LAYOUT:
-        fmt = torch._prims_common.suggest_memory_format(args[SUGGESTED_LAYOUT[name]])
+        fmt = suggest_memory_format(args[SUGGESTED_LAYOUT[name]])
         if not y.is_contiguous(memory_format=fmt):
             out = (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt),) + out[1:]
     params = [args[i] for i in MIXED_STATISTICS.get(name, ()) if i < len(args) and isinstance(args[i], torch.Tensor)]
@@ -88,7 +87,7 @@ def fake_twin(t: torch.Tensor) -> torch.Tensor | None:
     (memoized: the same one every time), else None. Its storage is `t`'s, not new memory."""
     if type(t).__name__ == "FakeTensor":
         return None
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    mode = current_fake_mode()
     return mode.from_tensor(t) if mode is not None else None
 
 

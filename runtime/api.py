@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
+from planner.compat import disable_current_modes as _disable_current_modes
+from planner.compat import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
 
 from planner import PlanOptions, analyze, solve_plan
 from planner.budget import Budget, as_budget

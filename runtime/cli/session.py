@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from planner.compat import tree_flatten
 
 from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
 from planner.api import analyze_for

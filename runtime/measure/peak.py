@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._pytree import tree_flatten
+from planner.compat import tree_flatten
 
 from planner.storage import LiveBytes
 

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from planner.compat import force_original_view_tracking
 from planner.errors import UnsafePlanError
 from planner.profile import compute_nodes, draws_random
 from planner.result import Plan, Region
@@ -86,7 +87,7 @@ def view_replay():
     as_strided: an in-place op on a view (`linear(x3d).relu_()`) then backpropagates through the
     view itself, without the base-sized zeros and copies of AsStridedBackward that a fake-tensor
     replay does not see. Same gradients, bitwise; the wrapped step runs, and recomputes, this way."""
-    return torch.autograd._force_original_view_tracking(True)
+    return force_original_view_tracking(True)
 
 
 def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):

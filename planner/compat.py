@@ -1,0 +1,43 @@
+"""Every private torch API the planner and the runtime use, in one place (checked on torch 2.13.0,
+the version CI installs; pyproject's lower bound). A torch upgrade that moves one breaks here, at
+import, with its name, not deep inside a plan. FSDP2's private state, which runtime/distributed.py
+reads, is listed there (NOTE at its top). Public torch APIs are imported where they are used.
+"""
+from __future__ import annotations
+
+import torch
+from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for, suggest_memory_format
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                                           UnsupportedOperatorException)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
+                                 tree_map_with_path, tree_unflatten)
+
+CHECKED_ON = "2.13.0"
+
+__all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode",
+           "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
+           "current_fake_mode", "disable_current_modes", "force_original_view_tracking", "functorch_active",
+           "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
+           "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
+
+
+def current_fake_mode():
+    """The FakeTensorMode active on the dispatch mode stack, or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def functorch_active() -> bool:
+    """A functorch transform (vmap, grad, functionalize) is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def force_original_view_tracking(mode: bool):
+    """Autograd replays views instead of tracking them as as_strided (a context manager)."""
+    return torch.autograd._force_original_view_tracking(mode)
+
+
+def is_custom_op_class(cls: type) -> bool:
+    """A class torch.library's custom ops define (their autograd Functions)."""
+    return cls.__module__.startswith("torch._library")
