@@ -6,7 +6,9 @@ trains the plain model on the global batch as the oracle. Run by tests/test_dist
 Every CONFIG runs in turn in one pair of ranks (one process group: a launch costs more than a
 configuration's steps), each on a fresh model and optimizer. CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
 no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
-FSDP2 without remat) or "infeasible" (FSDP2 and a budget no plan fits). Writes, per CONFIG, per rank: the plan's budget, prediction and
+FSDP2 without remat), "infeasible" (FSDP2 and a budget no plan fits) or "gpt" (issue 23's held-out
+GPT: vocab 2048, cross-entropy, FSDP2 with default resharding, no optimizer, the budget halfway
+between the measured peaks of FSDP2 with and without per-block checkpointing). Writes, per CONFIG, per rank: the plan's budget, prediction and
 regions, the measured peak of the third step (allocator events; DDP adds its reducer's buckets,
 allocated before the step), whether units were resharded after forward; and the largest gradient
 and parameter differences from the oracle. OUT.json maps each CONFIG to {"ranks": [...], "diff":
@@ -62,13 +64,60 @@ def loss_fn(out):
     return out.float().pow(2).mean()
 
 
+class GPTBlock(nn.Module):
+    """Pre-norm attention (scaled_dot_product_attention, causal) and a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, 2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Issue 23's held-out model: its logits (vocab 2048) and their cross-entropy hold the peak."""
+
+    def __init__(self, vocab: int = 2048, d: int = 128, layers: int = 4, heads: int = 4, seq: int = 128):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.layers = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x))
+
+
+GPT_BATCH, GPT_SEQ = 4, 128          # per rank
+
+
+def gpt_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: token ids and next-token targets."""
+    g = torch.Generator().manual_seed(2)
+    return tuple(torch.randint(0, 2048, (GPT_BATCH * WORLD, GPT_SEQ), generator=g) for _ in range(2))
+
+
+def gpt_loss(targets: torch.Tensor):
+    return lambda out: nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
 def batch() -> torch.Tensor:
     return torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def model() -> Tiny:
+def model(config: str = "") -> nn.Module:
     torch.manual_seed(0)
-    return Tiny()
+    return GPT() if config == "gpt" else Tiny()
 
 
 def factory():
@@ -84,7 +133,13 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def shard(m: Tiny, config: str) -> nn.Module:
+def shard(m: nn.Module, config: str, checkpointed: bool = False) -> nn.Module:
+    """`m` under `config`'s engine; `checkpointed`: each block under checkpoint_wrapper first
+    (torchtitan's per-block activation checkpointing)."""
+    if checkpointed:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, layer in enumerate(m.layers):
+            m.layers[i] = checkpoint_wrapper(layer)
     if config == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(m)
@@ -116,6 +171,8 @@ def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
 
 
 def run_config(rank: int, config: str, out_dir: str) -> dict:
+    if config == "gpt":
+        return _held_out(rank, out_dir)
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     local = batch().chunk(WORLD)[rank]
@@ -151,6 +208,38 @@ def run_config(rank: int, config: str, out_dir: str) -> dict:
             "resharded_after_forward": all(resharded[1:])}
 
 
+def _peak_of_third_step(m: nn.Module, step, inputs: tuple) -> int:
+    """The allocator's peak of `step()` after two, the gradients cleared before each, with the
+    sharded parameters and `inputs` held."""
+    for _ in range(STEPS - 1):
+        step()
+        for p in m.parameters():
+            p.grad = None
+    return allocator_peak(step, [_local(p) for p in m.parameters()], *inputs)
+
+
+def _held_out(rank: int, out_dir: str) -> dict:
+    """Issue 23's held-out GPT under FSDP2 (default resharding), no optimizer: the per-rank
+    budget halfway between the measured peaks of FSDP2 alone and FSDP2 with per-block
+    checkpointing; the third step's gradients, against one process on the global batch."""
+    idx, targets = (t.chunk(WORLD)[rank] for t in gpt_batch())
+    loss = gpt_loss(targets)
+    peaks = []
+    for checkpointed in (False, True):
+        m = shard(model("gpt"), "fsdp", checkpointed)
+        peaks.append(_peak_of_third_step(m, lambda: loss(m(idx)).backward(), (idx, targets)))
+    m = shard(model("gpt"), "fsdp")
+    w = plan_and_wrap(m, sum(peaks) / 2 / 1e9, example_inputs=(idx,), loss_fn=loss)
+    peak = _peak_of_third_step(m, lambda: loss(w(idx)).backward(), (idx, targets))
+    grads = {n: _full(p.grad) for n, p in m.named_parameters()}          # collectives: on every rank
+    params = {n: _full(p.detach()) for n, p in m.named_parameters()}
+    if rank == 0:
+        torch.save((grads, params), os.path.join(out_dir, "gpt-rank0.pt"))
+    return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.remat.plan.regions), "unplanned": w.remat.plan.unplanned_peak_bytes,
+            "baselines": dict(zip(("fsdp", "fsdp+per-block"), peaks))}
+
+
 def _infeasible(m, local) -> dict:
     """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
     from planner.errors import InfeasibleBudgetError
@@ -182,6 +271,11 @@ def _mixed(m, local) -> dict:
 
 def oracle(config: str):
     """One process, the plain model, the global batch: the steps the ranks take."""
+    if config == "gpt":                                   # one step, the mean of the ranks' losses
+        m = model("gpt")
+        for part, targets in zip(*(t.chunk(WORLD) for t in gpt_batch())):
+            (gpt_loss(targets)(m(part)) / WORLD).backward()
+        return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     for k in range(STEPS):

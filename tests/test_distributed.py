@@ -126,7 +126,7 @@ def _free_port() -> int:
 
 # Every configuration the 2-rank tests check, run in turn by one launch of 2 gloo ranks (a
 # launch, 3 Python processes importing torch and a process group, costs more than a config).
-TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible")
+TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible", "gpt")
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +151,13 @@ def two_ranks(tmp_path_factory):
 def test_two_gloo_ranks_train_like_one_process_and_fit(config, two_ranks):
     """FSDP2 (per block then root; resharded after forward or not) and DDP, AdamW stepping: the
     full gradients and parameters after three steps equal one process training the plain model
-    on the global batch; each rank's measured peak fits the per-rank budget, predicted within 5%."""
+    on the global batch; each rank's measured peak fits the per-rank budget, the prediction at or
+    above it, within 5%."""
     res = two_ranks(config)
     assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"]) and res["diff"]["param"] <= 1e-6
     for rank in res["ranks"]:
         assert rank["regions"] > 0                       # 80% of the unplanned peak needs regions
-        assert rank["measured"] <= rank["budget"]
-        assert abs(rank["predicted"] - rank["measured"]) <= 0.05 * rank["measured"]
+        assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
     assert res["ranks"][0]["predicted"] == res["ranks"][1]["predicted"]     # one plan, broadcast
     if config == "fsdp":
         assert all(rank["resharded_after_forward"] for rank in res["ranks"])
@@ -246,5 +246,19 @@ def test_mixed_precision_trains_as_fsdp2_does_and_fits(two_ranks):
     res = two_ranks("fsdp-bf16")
     for rank in res["ranks"]:
         assert rank["grad_diff_vs_fsdp"] == 0.0 and rank["regions"] > 0
-        assert rank["measured"] <= rank["budget"]
-        assert abs(rank["predicted"] - rank["measured"]) <= 0.05 * rank["measured"]
+        assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
+
+
+@pytest.mark.slow
+def test_the_held_out_gpt_keeps_its_per_rank_budget(two_ranks):
+    """Issue 23's held-out FSDP2 GPT (vocab 2048: its logits and their cross-entropy hold the
+    peak; default resharding), the per-rank budget halfway between the measured peaks of FSDP2
+    with and without per-block checkpointing: gradients equal one process on the global batch;
+    each rank's measured peak fits, the prediction at or above it, within 5%."""
+    res = two_ranks("gpt")
+    assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"])
+    for rank in res["ranks"]:
+        base = rank["baselines"]
+        assert base["fsdp+per-block"] < rank["budget"] < base["fsdp"] and rank["regions"] > 0
+        assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
+    assert res["ranks"][0]["predicted"] == res["ranks"][1]["predicted"]
