@@ -30,7 +30,7 @@ from planner.errors import InfeasibleBudgetError, PlanMismatchError
 from planner.fit import unplanned_peak_bytes
 from planner.profile import compute_nodes
 from planner.result import Plan, Region
-from planner.trace import Traced, trace
+from planner.trace import OUTPUT, Traced, export, trace
 
 from .rewrite import REGION_PROBE, rewrite, view_replay
 
@@ -168,16 +168,22 @@ def _same_op(flat, local, prefix: str) -> bool:
     return flat.target == (f"{prefix}.{local.target}" if flat.op == "call_module" else local.target)
 
 
+# an exported graph's own bookkeeping: its input guards, and the module rebuilding its output
+_EXPORT_ONLY = ("_guards_fn", OUTPUT)
+
+
 def local_regions(plan: Plan, flat_nodes: list, name: str, local: Traced) -> tuple[Region, ...]:
     """The plan's regions inside unit `name`, as node indices of the unit's own graph. Raises
     PlanMismatchError when the unit's graph is not the part of the whole graph it runs."""
     units = plan.meta.get("units", [])
     mine = [i for i, u in enumerate(units) if u == name]
     nodes = compute_nodes(local.gm)
-    if len(mine) != len(nodes) or not all(_same_op(flat_nodes[i], n, name) for i, n in zip(mine, nodes)):
-        raise PlanMismatchError(f"unit {name!r} traced alone ({len(nodes)} nodes) is not what it runs inside the "
+    own = [k for k, n in enumerate(nodes) if not (local.path == "torch.export" and n.op == "call_module"
+                                                  and n.target in _EXPORT_ONLY)]
+    if len(mine) != len(own) or not all(_same_op(flat_nodes[i], nodes[k], name) for i, k in zip(mine, own)):
+        raise PlanMismatchError(f"unit {name!r} captured alone ({len(own)} nodes) is not what it runs inside the "
                                 f"model ({len(mine)} nodes): does its forward depend on optional arguments?")
-    pos = {i: k for k, i in enumerate(mine)}
+    pos = dict(zip(mine, own))
     out = []
     for r in plan.regions:
         if units[r.start] == name:
@@ -192,25 +198,82 @@ class GraphForward:
     def __init__(self, module: torch.nn.Module, gm: torch.fx.GraphModule, traced: Traced):
         self.module, self.gm, self.traced = module, gm, traced
         self.own = types.SimpleNamespace(forward=type(module).forward.__get__(module))   # its signature binds the inputs
+        self.params = _param_attrs(gm)
 
     def __call__(self, *args, **kwargs):
         m = self.module
         if not (m.training and torch.is_grad_enabled()):
             return type(m).forward(m, *args, **kwargs)
-        for k, p in m._parameters.items():      # FSDP2 swaps in the unsharded ones on the module itself
-            self.gm._parameters[k] = p
+        for owner, leaf in self.params:         # FSDP2 swaps in the unsharded ones on the modules
+            self.gm.get_submodule(owner)._parameters[leaf] = m.get_submodule(owner)._parameters[leaf]
         with view_replay():
             return self.gm(**self.traced.inputs(self.own, args, kwargs))
+
+
+class KeywordForward:
+    """The root's own `forward`, set on the instance, called in training with the keyword inputs
+    the whole model was captured with (`Traced.extra_kwargs`: use_cache=False, as Hugging Face
+    calls itself under gradient checkpointing), so its units get the arguments they were
+    exported with; otherwise as it is."""
+
+    def __init__(self, module: torch.nn.Module, extra: dict):
+        self.module, self.extra = module, extra
+
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        if m.training and torch.is_grad_enabled():
+            kwargs = {**self.extra, **kwargs}
+        return type(m).forward(m, *args, **kwargs)
+
+
+def _param_attrs(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """(owner module, name) of each parameter the graph reads by attribute: the unit's own (fx),
+    or every one of them (an exported graph reads its submodules' parameters itself)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            owner, _, leaf = n.target.rpartition(".")
+            if leaf in gm.get_submodule(owner)._parameters:
+                out.append((owner, leaf))
+    return out
 
 
 def _install(module: torch.nn.Module, gm, traced: Traced) -> None:
     object.__setattr__(module, "forward", GraphForward(module, gm, traced))
 
 
-def _unit_forward(name: str, unit: torch.nn.Module, plain: torch.nn.Module, plan: Plan, flat_nodes: list) -> int:
-    """Give `unit` the graph of its regions; returns how many it has."""
-    args, kwargs = _placeholders(plain)
-    local = trace(unit, args, kwargs)        # the unit itself: its graph calls its own submodules
+def unit_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[tuple, dict]]:
+    """Each fully_shard unit's (args, kwargs) in one forward of `model` under no_grad (a
+    collective: every rank runs it): the real arguments a unit is exported with."""
+    calls: dict[str, tuple[tuple, dict]] = {}
+
+    def recorder(name: str):
+        def record(module, a, kw):
+            calls.setdefault(name, (a, kw))
+        return record
+    handles = [u.register_forward_pre_hook(recorder(name), with_kwargs=True)
+               for name, u in model.named_modules() if isinstance(u, FSDPModule) and name]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _unit_forward(name: str, unit: torch.nn.Module, plain: torch.nn.Module, plan: Plan, flat_nodes: list,
+                  call: tuple[tuple, dict] | None) -> int:
+    """Give `unit` the graph of its regions; returns how many it has. NOTE [ a unit's capture ]:
+    a unit is captured as the whole model was: fx traces the unit itself (its graph calls its own
+    submodules, its required arguments symbolic); where the whole model was exported (Hugging
+    Face models: fx follows neither), the plain copy of the unit is exported with the arguments
+    it was called with (`call`), its nodes the whole graph's ATen ops."""
+    if call is None:
+        args, kwargs = _placeholders(plain)
+        local = trace(unit, args, kwargs)
+    else:
+        local = export(plain, *call)
     regions = local_regions(plan, flat_nodes, name, local)
     if regions:
         names = tuple(n.name for n in compute_nodes(local.gm))
@@ -292,7 +355,7 @@ class DistributedRemat:
 
 def _uninstall(model: torch.nn.Module) -> None:
     for m in model.modules():                 # a model wrapped before is planned as it is without remat
-        if isinstance(m.__dict__.get("forward"), GraphForward):
+        if isinstance(m.__dict__.get("forward"), (GraphForward, KeywordForward)):
             del m.__dict__["forward"]
 
 
@@ -311,8 +374,15 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
             _install(inner, rewrite(inner, a.traced.gm, plan.regions, names, plan.meta), a.traced)
     else:
         plains = dict(plain.named_modules())
-        n = sum(_unit_forward(name, unit, plains[name], plan, flat)
-                for name, unit in model.named_modules() if isinstance(unit, FSDPModule) and name)
+        units = [(name, unit) for name, unit in model.named_modules() if isinstance(unit, FSDPModule) and name]
+        if a.traced.path == "torch.export":         # NOTE [ a unit's capture ]
+            calls = unit_calls(model, args, {**(a.traced.extra_kwargs or {}), **kwargs})
+            if a.traced.extra_kwargs:
+                object.__setattr__(model, "forward", KeywordForward(model, a.traced.extra_kwargs))
+            n = sum(_unit_forward(name, unit, plains[name], plan, flat, calls[name]) for name, unit in units
+                    if name in calls)
+        else:
+            n = sum(_unit_forward(name, unit, plains[name], plan, flat, None) for name, unit in units)
         assert n == len(plan.regions), "a region runs outside the fully_shard units"
     log.info("%s (%s, %d ranks): %d regions, predicted %.3f GB per rank", type(model).__name__, engine(model),
              _world(), len(plan.regions), plan.predicted_peak_bytes / 1e9)

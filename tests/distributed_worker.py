@@ -115,9 +115,25 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
+def hf_llama() -> nn.Module:
+    """A tiny Hugging Face LlamaForCausalLM from a config (4 decoder layers, d=128, vocab 512)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+
+
+def llama_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randint(0, 512, (GPT_BATCH * WORLD, 64), generator=g) for _ in range(2))
+
+
+def llama_loss(targets: torch.Tensor):
+    return lambda out: nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
 def model(config: str = "") -> nn.Module:
     torch.manual_seed(0)
-    return GPT() if config == "gpt" else Tiny()
+    return {"gpt": GPT, "llama": hf_llama}.get(config, Tiny)()
 
 
 def factory():
@@ -146,7 +162,7 @@ def shard(m: nn.Module, config: str, checkpointed: bool = False) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kw = {"mp_policy": mixed} if config == "fsdp-bf16" else {}
-    for layer in m.layers:
+    for layer in (m.model.layers if config == "llama" else m.layers):
         fully_shard(layer, reshard_after_forward=config != "fsdp-keep", **kw)
     return fully_shard(m, **kw)
 
@@ -173,6 +189,8 @@ def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
 def run_config(rank: int, config: str, out_dir: str) -> dict:
     if config == "gpt":
         return _held_out(rank, out_dir)
+    if config == "llama":
+        return _hf_llama(rank, out_dir)
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     local = batch().chunk(WORLD)[rank]
@@ -240,6 +258,24 @@ def _held_out(rank: int, out_dir: str) -> dict:
             "baselines": dict(zip(("fsdp", "fsdp+per-block"), peaks))}
 
 
+def _hf_llama(rank: int, out_dir: str) -> dict:
+    """A tiny Hugging Face Llama under FSDP2 (each decoder layer, then the root), no optimizer, at
+    85% of its unplanned peak: its decoder layers, which fx cannot trace, rewritten from their
+    exported graphs; the third step's gradients, against one process on the global batch."""
+    idx, targets = (t.chunk(WORLD)[rank] for t in llama_batch())
+    loss = llama_loss(targets)
+    m = shard(model("llama"), "llama")
+    w = plan_and_wrap(m, "85%", example_inputs=(idx,), loss_fn=loss)
+    peak = _peak_of_third_step(m, lambda: loss(w(idx)).backward(), (idx, targets))
+    grads = {n: _full(p.grad) for n, p in m.named_parameters()}          # collectives: on every rank
+    params = {n: _full(p.detach()) for n, p in m.named_parameters()}
+    if rank == 0:
+        torch.save((grads, params), os.path.join(out_dir, "llama-rank0.pt"))
+    rewritten = sum(type(layer.__dict__.get("forward")).__name__ == "GraphForward" for layer in m.model.layers)
+    return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
+            "regions": len(w.remat.plan.regions), "rewritten_layers": rewritten}
+
+
 def _infeasible(m, local) -> dict:
     """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
     from planner.errors import InfeasibleBudgetError
@@ -275,6 +311,11 @@ def oracle(config: str):
         m = model("gpt")
         for part, targets in zip(*(t.chunk(WORLD) for t in gpt_batch())):
             (gpt_loss(targets)(m(part)) / WORLD).backward()
+        return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
+    if config == "llama":
+        m = model("llama")
+        for part, targets in zip(*(t.chunk(WORLD) for t in llama_batch())):
+            (llama_loss(targets)(m(part)) / WORLD).backward()
         return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None

@@ -126,7 +126,7 @@ def _free_port() -> int:
 
 # Every configuration the 2-rank tests check, run in turn by one launch of 2 gloo ranks (a
 # launch, 3 Python processes importing torch and a process group, costs more than a config).
-TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible", "gpt")
+TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible", "gpt", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,16 @@ def test_the_held_out_gpt_keeps_its_per_rank_budget(two_ranks):
         assert base["fsdp+per-block"] < rank["budget"] < base["fsdp"] and rank["regions"] > 0
         assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
     assert res["ranks"][0]["predicted"] == res["ranks"][1]["predicted"]
+
+
+@pytest.mark.slow
+def test_hugging_face_decoder_layers_are_rewritten_under_fsdp2(two_ranks):
+    """A tiny HF Llama, fully_shard on each decoder layer then the root: fx traces no decoder
+    layer alone, so each is exported with the arguments it is called with and its regions
+    rewritten there (NOTE [ a unit's capture ]); gradients equal one process on the global
+    batch, and each rank's measured peak is at most the prediction, which fits the budget."""
+    res = two_ranks("llama")
+    assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"])
+    for rank in res["ranks"]:
+        assert 1 <= rank["rewritten_layers"] <= rank["regions"]
+        assert rank["measured"] <= rank["predicted"] <= rank["budget"]
