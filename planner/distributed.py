@@ -11,10 +11,10 @@ S_U this rank's shard of them as stored, g_U its gradients unsharded, s_U this r
 them. Per rank:
   F'         = F - sum_U P_U + sum_U S_U + P_root: sharded parameters live throughout; the root
                unit's are all-gathered once and held for the step (FSDP2 does not reshard the
-               root after forward); its all-gather's buffers (P_root + S_root) at node 0's
+               root after forward); its all-gather's buffer (P_root) at node 0's
                forward, its reduce-scatter's (g_root + s_root) at node 0's backward, the last,
   held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
-               buffers (P_U + S_U, freed once copied out), plus P_V of every unit V whose forward
+               buffer (P_U, freed once copied out; its input S_U is a view of it), plus P_V of every unit V whose forward
                ran before t and that is not resharded after forward, plus the flat output of the
                latest all-gather (FSDP2 keeps it until it issues the next one, or until the
                root's post-forward: not while the loss, node n-1, runs),
@@ -24,8 +24,8 @@ them. Per rank:
                reduce-scatter (kept by FSDP2 until it issues the next), plus P_V of the units not
                resharded after forward whose backward has not run yet, plus the latest
                all-gather's flat output: none in the loss's backward, the first unit's (which
-               the root's pre-backward prefetches) in the root's last nodes', then the one U's
-               prefetch issued,
+               the root's pre-backward prefetches) in the root's last nodes' (within a unit it
+               is the prefetched P_U', counted once),
   param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
 The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
 Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
@@ -124,7 +124,7 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
     fwd, bwd = [0] * n, [0] * n
     root = units.get("")
     if root is not None:            # gathered before the first node, reduce-scattered after the last backward
-        fwd[0] += root.unsharded_bytes + root.shard_bytes
+        fwd[0] += root.unsharded_bytes
         bwd[0] += root.grad_bytes + root.grad_shard_bytes
     order = sorted(spans, key=lambda u: spans[u][0])
     for k, name in enumerate(order):
@@ -132,8 +132,10 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
         for t in range(lo, hi + 1):
             fwd[t] += u.unsharded_bytes
             bwd[t] += u.unsharded_bytes
-        fwd[lo] += u.unsharded_bytes + u.shard_bytes           # all-gather output and input, until copied out
-        bwd[hi] += u.unsharded_bytes + u.shard_bytes
+        # the all-gather's flat output, until copied out (FSDP2 copies the shard in at this
+        # rank's offset in it: its input is a view of it, no buffer of its own)
+        fwd[lo] += u.unsharded_bytes
+        bwd[hi] += u.unsharded_bytes
         for nxt in order[max(0, k - prefetch):k]:              # gathered ahead while U runs backward
             for t in range(lo, hi + 1):
                 bwd[t] += units[nxt].unsharded_bytes
@@ -153,22 +155,18 @@ def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int],
     loss (node n-1) runs. Forward: the unit gathered last (the root's before the first unit),
     up to the loss. Backward: none during the loss's; the root's pre-backward hook (on its
     outputs, after the loss's backward) prefetches the first unit of backward, in flight while
-    the root's last nodes run backward; then, from hi_U down, the one U's prefetch issued.
-    Whether it is freed before a node's peak depends on the collective's thread (measured on
-    gloo: one unit's P_U either way), so it is counted."""
+    the root's last nodes run backward.
+    Within U's backward that flat output is the prefetched unit's, which `_held` counts (a
+    prefetched unit is its all-gather's output until its own pre-backward copies it out), so it
+    is not counted twice."""
     n = len(fwd)
     issued = [(0, root.unsharded_bytes if root else 0)] + [(lo, size) for (lo, _), size in spans]
     for (start, size), nxt in zip(issued, issued[1:] + [(n - 1, 0)]):
         for t in range(start, nxt[0]):
             fwd[t] += size
-    held = [spans[-1][1] if spans else 0] * (n - 1) + [0]
-    for k in range(len(spans) - 1, -1, -1):
-        (lo, hi), _ = spans[k]
-        size = spans[max(0, k - prefetch)][1]
-        for t in range(0, hi + 1):
-            held[t] = size
-    for t in range(n):
-        bwd[t] += held[t]
+    if spans:
+        for t in range(spans[-1][0][1] + 1, n - 1):
+            bwd[t] += spans[-1][1]
 
 
 def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int]) -> None:

@@ -52,16 +52,18 @@ def test_per_rank_fsdp_by_hand():
     assert cg.fixed_bytes == (40 - 32 + 16) * MB                  # parameters as shards
     assert [c.unit for c in cg.nodes] == ["", "a", "a", "b", "b", ""]
     assert not cg.nodes[0].recomputable and cg.nodes[0].why_not == ROOT_WHY
-    # forward: a unit's parameters while it runs, at its first node the all-gather's buffers, and
-    # the latest all-gather's output, kept until the next all-gather (b's until the root's
-    # post-forward frees it: not during the loss)
-    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16 + 24 + 16, 16 + 16, 0]
-    # backward (b runs first, with a prefetched): parameters, its gradients until the
-    # reduce-scatter at its first node, whose buffers (16 + 8) are there too; while a runs, b's
-    # reduce-scatter input (16), kept until a's reduce-scatter is issued; the latest all-gather's
-    # output (16: a's, prefetched at b's last node; none during the loss's backward)
-    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [16, 16 + 16 + 16 + 24 + 16, 16 + 16 + 24 + 8 + 16,
-                                                          16 + 16 + 16 + 16 + 24, 16 + 16 + 16 + 24 + 8, 0]
+    # forward: a unit's parameters while it runs, at its first node the all-gather's flat output
+    # (16: the shard is copied into it, no buffer of its own), and the latest all-gather's
+    # output, kept until the next all-gather (b's until the root's post-forward frees it: not
+    # during the loss)
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 16, 16 + 16, 16 + 16 + 16, 16 + 16, 0]
+    # backward (b runs first, a prefetched while it does: a's all-gather output, 16): parameters,
+    # at a unit's last node its all-gather's output being copied out (16), its gradients until
+    # the reduce-scatter at its first node (8 + 8 at the first node, 8 at the second), whose
+    # buffers (16 + 8) are there too; while a runs, b's reduce-scatter input (16), kept until
+    # a's reduce-scatter is issued; nothing held during the loss's backward, nor after a's
+    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 16 + 24, 16 + 16 + 16 + 8,
+                                                          16 + 16 + 16 + 24, 16 + 16 + 16 + 8, 0]
     assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 4, 4, 4, 4, 0]    # shards stay
 
 
@@ -76,7 +78,7 @@ def test_the_roots_last_nodes_hold_the_first_backward_units_all_gather():
     cg = per_rank(CostGraph(tuple(nodes), tuple(storages), 24 * MB, 16 * MB),
                   Sharding("fsdp", 2, (Unit("", 0, 0, 0, 0, False), Unit("a", 16 * MB, 8 * MB, 16 * MB, 8 * MB))))
     assert [c.unit for c in cg.nodes] == ["", "a", "a", "", ""]
-    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 24 + 16, 16 + 16, 16, 0]
+    assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 16, 16 + 16, 16, 0]
     assert [c.bwd_held_bytes // MB for c in cg.nodes][3:] == [16, 0]
 
 
@@ -269,9 +271,9 @@ def test_hugging_face_decoder_layers_are_rewritten_under_fsdp2(two_ranks):
     """A tiny HF Llama, fully_shard on each decoder layer then the root: fx traces no decoder
     layer alone, so each is exported with the arguments it is called with and its regions
     rewritten there (NOTE [ a unit's capture ]); gradients equal one process on the global
-    batch, and each rank's measured peak is at most the prediction, which fits the budget."""
+    batch; each rank's measured peak fits, the prediction at or above it, within 5%."""
     res = two_ranks("llama")
     assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"])
     for rank in res["ranks"]:
         assert 1 <= rank["rewritten_layers"] <= rank["regions"]
-        assert rank["measured"] <= rank["predicted"] <= rank["budget"]
+        assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
