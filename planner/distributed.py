@@ -144,12 +144,11 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
                 fwd[t] += u.unsharded_bytes
             for t in range(hi + 1, n):
                 bwd[t] += u.unsharded_bytes
-    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root, prefetch)
+    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root)
     return fwd, bwd
 
 
-def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None,
-              prefetch: int) -> None:
+def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None) -> None:
     """FSDP2 keeps the flat output of its latest all-gather until it issues the next one (a
     stream may still copy out of it); the root's post-forward frees the last one, before the
     loss (node n-1) runs. Forward: the unit gathered last (the root's before the first unit),
