@@ -118,7 +118,7 @@ def _step_fn(model_call, opt, idx):
 
 def peak_of(model: nn.Module, opt, step) -> int:
     """Peak bytes of one step after two warm-up steps (the optimizer's state exists by then)."""
-    from runtime.measure.peak import allocator_peak
+    from remat.runtime.measure.peak import allocator_peak
     for _ in range(2):
         step()
     state = [_local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -141,8 +141,8 @@ def _timed(step) -> tuple[float, float]:
 def rank_main(rank: int, cfg: dict, port: int, out_dir: str) -> None:
     """Each strategy's peak, then step times taken round-robin over the strategies (`steps`
     rounds), so that drift on a shared machine hits them alike."""
-    from planner import InfeasibleBudgetError
-    from runtime import plan_and_wrap
+    from remat.planner import InfeasibleBudgetError
+    from remat.runtime import plan_and_wrap
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

@@ -134,9 +134,9 @@ def argv(command: str) -> list[str]:
 
 
 def remat_program() -> list[str]:
-    """The `remat` console script beside this Python, else `python -m runtime` (the same program)."""
+    """The `remat` console script beside this Python, else `python -m remat` (the same program)."""
     script = Path(sys.executable).with_name("remat")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "runtime"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "remat"]
 
 
 def run(command: str, timeout_s: float = 600) -> Run:

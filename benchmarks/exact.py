@@ -25,11 +25,11 @@ import math
 import time
 from dataclasses import replace
 
-from planner import CostGraph, Plan, SolveOptions
-from planner.baselines import BASELINES
-from planner.candidates import candidates
-from planner.simulate import timeline
-from planner.solve import solve_ilp
+from remat.planner import CostGraph, Plan, SolveOptions
+from remat.planner.baselines import BASELINES
+from remat.planner.candidates import candidates
+from remat.planner.simulate import timeline
+from remat.planner.solve import solve_ilp
 
 MAX_NODES = 90        # the 2-layer GPT-2 has 85 nodes; its full ILP solves in a few seconds
 FLOPS_LIMIT_S = 60.0

@@ -50,10 +50,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
-from runtime import plan_and_wrap  # noqa: E402
-from runtime.measure import peak_memory  # noqa: E402
-from runtime.measure import training_loss  # noqa: E402
+from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
+from remat.runtime import plan_and_wrap  # noqa: E402
+from remat.runtime.measure import peak_memory  # noqa: E402
+from remat.runtime.measure import training_loss  # noqa: E402
 
 # Node limits (not time) bound the solver, so a case plans the same on every run and machine;
 # the time limit is only a safety net.

@@ -25,9 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
-from runtime import plan_and_wrap  # noqa: E402
-from runtime.examples import gpt2  # noqa: E402
+from remat.planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
+from remat.runtime import plan_and_wrap  # noqa: E402
+from remat.runtime.examples import gpt2  # noqa: E402
 
 
 def _model(tiny: bool, device: torch.device):

@@ -8,8 +8,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from runtime import examples
-from runtime.examples import Example
+from remat.runtime import examples
+from remat.runtime.examples import Example
 
 
 def hf_gpt2(*, batch=4, seq_len=128, seed=0) -> Example:

@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
-from planner.solve import SOLVED  # noqa: E402
-from runtime import plan_and_wrap  # noqa: E402
-from runtime.examples import EXAMPLES  # noqa: E402
+from remat.planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
+from remat.planner.solve import SOLVED  # noqa: E402
+from remat.runtime import plan_and_wrap  # noqa: E402
+from remat.runtime.examples import EXAMPLES  # noqa: E402
 
 BUILT_IN = ("gpt2", "mlp", "resnet", "unet")
 ZOO = ("hf-gpt2", "hf-bert", "hf-llama", "hf-t5", "hf-vit", "hf-moe")

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner import analyze  # noqa: E402
-from planner.result import Region  # noqa: E402
-from planner.simulate import timeline  # noqa: E402
-from runtime.measure.timing import interleaved_times  # noqa: E402
-from runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
+from remat.planner import analyze  # noqa: E402
+from remat.planner.result import Region  # noqa: E402
+from remat.planner.simulate import timeline  # noqa: E402
+from remat.runtime.measure.timing import interleaved_times  # noqa: E402
+from remat.runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 
 
 def chain(blocks: int = 32, width: int = 16, batch: int = 8):

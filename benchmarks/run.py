@@ -42,15 +42,15 @@ from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.strategies_compile import (GRID, QUICK_GRID, CompileSearch, compiled_at,  # noqa: E402
                                           dropout_recompute_error)
 from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
-from planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
-from planner.baselines import BASELINES  # noqa: E402
-from planner.result import Plan  # noqa: E402
-from planner.simulate import timeline  # noqa: E402
-from planner.trace import capture  # noqa: E402
-from runtime import peak_memory  # noqa: E402
-from runtime.api import ExactReplay  # noqa: E402
-from runtime.measure import allocator_peak  # noqa: E402
-from runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
+from remat.planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
+from remat.planner.baselines import BASELINES  # noqa: E402
+from remat.planner.result import Plan  # noqa: E402
+from remat.planner.simulate import timeline  # noqa: E402
+from remat.planner.trace import capture  # noqa: E402
+from remat.runtime import peak_memory  # noqa: E402
+from remat.runtime.api import ExactReplay  # noqa: E402
+from remat.runtime.measure import allocator_peak  # noqa: E402
+from remat.runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

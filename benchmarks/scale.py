@@ -41,15 +41,15 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner import InfeasibleBudgetError, PlanOptions, analyze, solve_plan  # noqa: E402
-from planner.baselines import every_block  # noqa: E402
-from planner.fit import unplanned_peak_bytes  # noqa: E402
-from planner.simulate import timeline  # noqa: E402
+from remat.planner import InfeasibleBudgetError, PlanOptions, analyze, solve_plan  # noqa: E402
+from remat.planner.baselines import every_block  # noqa: E402
+from remat.planner.fit import unplanned_peak_bytes  # noqa: E402
+from remat.planner.simulate import timeline  # noqa: E402
 
 
 def _gpt2(n_layer: int, d_model: int, n_head: int):
     def build():
-        from runtime.examples import gpt2
+        from remat.runtime.examples import gpt2
 
         with torch.device("meta"):
             ex = gpt2(n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=1024, batch=8, vocab=50257)
@@ -116,7 +116,7 @@ def run(name: str, fractions, flat: bool, options: PlanOptions) -> list[dict]:
     for frac in fractions:
         budget = int(held + frac * (unplanned - held))
         for path, force_flat in paths:
-            import planner.fit as fit
+            import remat.planner.fit as fit
             dispatch = fit.hierarchy.for_graph
             if force_flat:                     # today's path: the flat candidates and ILP
                 fit.hierarchy.for_graph = lambda *_: None

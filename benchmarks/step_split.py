@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.measure import CLOCKS  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.run import budgets  # noqa: E402
-from planner import PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
-from planner.baselines import BASELINES  # noqa: E402
-from planner.simulate import region_recompute, timeline  # noqa: E402
-from runtime.api import ExactReplay  # noqa: E402
-from runtime.rewrite import REGION_PROBE, RecomputeTimes, rewrite  # noqa: E402
+from remat.planner import PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
+from remat.planner.baselines import BASELINES  # noqa: E402
+from remat.planner.simulate import region_recompute, timeline  # noqa: E402
+from remat.runtime.api import ExactReplay  # noqa: E402
+from remat.runtime.rewrite import REGION_PROBE, RecomputeTimes, rewrite  # noqa: E402
 
 
 def main(argv=None) -> int:

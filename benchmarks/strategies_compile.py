@@ -22,7 +22,7 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from runtime.measure import allocator_peak
+from remat.runtime.measure import allocator_peak
 
 from .measure import as_close_as_eager, median_step_s, step
 

@@ -20,13 +20,13 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from planner import InfeasibleBudgetError, PlanOptions
-from planner.profile import compute_nodes
-from planner.result import Plan, Region
-from planner.trace import capture
-from runtime.api import plan_and_wrap
-from runtime.measure import allocator_peak
-from runtime.rewrite import rewrite, rewrite_plan
+from remat.planner import InfeasibleBudgetError, PlanOptions
+from remat.planner.profile import compute_nodes
+from remat.planner.result import Plan, Region
+from remat.planner.trace import capture
+from remat.runtime.api import plan_and_wrap
+from remat.runtime.measure import allocator_peak
+from remat.runtime.rewrite import rewrite, rewrite_plan
 
 from .measure import as_close_as_eager, same_result, step
 

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.storage import LiveBytes  # noqa: E402
-from runtime import plan_and_wrap  # noqa: E402
-from runtime.api import Remat  # noqa: E402
+from remat.planner.storage import LiveBytes  # noqa: E402
+from remat.runtime import plan_and_wrap  # noqa: E402
+from remat.runtime.api import Remat  # noqa: E402
 
 
 def main() -> None:

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner import InfeasibleBudgetError, PlanOptions, RematError, analyze
-from planner.baselines import every_block
-from planner.result import Plan
-from planner.simulate import timeline
-from runtime import plan_and_wrap
-from runtime.measure import peak_memory
-from runtime.rewrite import rewrite
+from remat.planner import InfeasibleBudgetError, PlanOptions, RematError, analyze
+from remat.planner.baselines import every_block
+from remat.planner.result import Plan
+from remat.planner.simulate import timeline
+from remat.runtime import plan_and_wrap
+from remat.runtime.measure import peak_memory
+from remat.runtime.rewrite import rewrite
 from benchmarks.zoo_models import ZOO
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.examples import Example, cross_entropy, seeded, unet
+from remat.runtime.examples import Example, cross_entropy, seeded, unet
 
 
 # ------------------------------------------------------------------ Hugging Face

@@ -18,7 +18,7 @@ _EXPORTS = {
     "CostGraph": "costgraph", "Plan": "result", "Region": "result", "SolveOptions": "options",
     "DeviceRates": "rates",
     "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
-    "BudgetError": "errors", "ForwardError": "errors", "PlanMismatchError": "errors",
+    "BudgetError": "errors", "ForwardError": "errors", "PlanMismatchError": "errors", "UnsafePlanError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -26,7 +26,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+        raise AttributeError(f"module 'remat.planner' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value
     return value

@@ -10,20 +10,20 @@ from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import torch
-from planner.compat import disable_current_modes as _disable_current_modes
-from planner.compat import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
+from remat.planner.compat import disable_current_modes as _disable_current_modes
+from remat.planner.compat import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
 
-from planner import PlanOptions, analyze, solve_plan
-from planner.budget import Budget, as_budget
-from planner.api import analyze_for, input_signature
-from planner.errors import BudgetError, InfeasibleBudgetError, RematError, PlanMismatchError, TraceError
-from planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
-from planner.profile import compute_nodes
-from planner.result import Plan
-from planner.simulate import base_liveness
-from planner.rng import rng_preserved
-from planner.state import instance_forwards, mode_key, state_preserved, training_modes
-from planner.trace import cache_off, capture
+from remat.planner import PlanOptions, analyze, solve_plan
+from remat.planner.budget import Budget, as_budget
+from remat.planner.api import analyze_for, input_signature
+from remat.planner.errors import BudgetError, InfeasibleBudgetError, RematError, PlanMismatchError, TraceError
+from remat.planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
+from remat.planner.profile import compute_nodes
+from remat.planner.result import Plan
+from remat.planner.simulate import base_liveness
+from remat.planner.rng import rng_preserved
+from remat.planner.state import instance_forwards, mode_key, state_preserved, training_modes
+from remat.planner.trace import cache_off, capture
 
 from . import distributed, dropin, plan_cache
 from .measure import dry_run_peak, preserved, training_loss

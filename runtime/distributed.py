@@ -22,15 +22,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from planner import PlanOptions, solve_plan
-from planner.api import analyze_for
-from planner.budget import Budget
-from planner.distributed import Sharding, Unit, per_rank
-from planner.errors import InfeasibleBudgetError, PlanMismatchError
-from planner.fit import unplanned_peak_bytes
-from planner.profile import compute_nodes
-from planner.result import Plan, Region
-from planner.trace import OUTPUT, Traced, export, trace
+from remat.planner import PlanOptions, solve_plan
+from remat.planner.api import analyze_for
+from remat.planner.budget import Budget
+from remat.planner.distributed import Sharding, Unit, per_rank
+from remat.planner.errors import InfeasibleBudgetError, PlanMismatchError
+from remat.planner.fit import unplanned_peak_bytes
+from remat.planner.profile import compute_nodes
+from remat.planner.result import Plan, Region
+from remat.planner.trace import OUTPUT, Traced, export, trace
 
 from .rewrite import REGION_PROBE, rewrite, view_replay
 
@@ -430,7 +430,7 @@ def blocks_of(model: torch.nn.Module) -> list[str]:
 
 def shard_per_block(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     """`model` sharded as torchtitan does (each block, then the root) over a fake group of
-    `world_size` ranks, for planning (`python -m runtime report ... --world-size N --fsdp`)."""
+    `world_size` ranks, for planning (`python -m remat report ... --world-size N --fsdp`)."""
     from torch.distributed.fsdp import fully_shard
     blocks = blocks_of(model)
     if not blocks:

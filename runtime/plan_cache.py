@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from planner.result import Plan
+from remat.planner.result import Plan
 
 log = logging.getLogger("remat.cache")
 

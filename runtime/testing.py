@@ -1,6 +1,6 @@
 """A pytest helper: fail a test when a model's training step does not fit a memory budget.
 
-    from runtime.testing import assert_fits
+    from remat.runtime.testing import assert_fits
 
     def test_decoder_fits_24gb():
         model, x, y = make_decoder()
@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze
-from planner.budget import as_budget, size_text
-from planner.fit import unplanned_peak_bytes
-from planner.result import Plan
+from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze
+from remat.planner.budget import as_budget, size_text
+from remat.planner.fit import unplanned_peak_bytes
+from remat.planner.result import Plan
 
 from .cli.session import Loaded, measure_peak_bytes, solve_budget, split_inputs
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
-from planner.solve import ilp_peak_bytes
-from runtime import examples, plan_and_wrap
-from runtime.measure import peak_memory, preserved
+from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
+from remat.planner.solve import ilp_peak_bytes
+from remat.runtime import examples, plan_and_wrap
+from remat.runtime.measure import peak_memory, preserved
 
 # One torch thread per xdist worker: two workers on two cores, not four threads fighting over them.
 if os.environ.get("PYTEST_XDIST_WORKER"):

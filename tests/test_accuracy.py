@@ -22,11 +22,11 @@ import warnings
 import pytest
 import torch
 
-from planner import analyze
-from planner.baselines import every_block
-from planner.result import Plan
-from runtime.examples import EXAMPLES
-from runtime.rewrite import rewrite
+from remat.planner import analyze
+from remat.planner.baselines import every_block
+from remat.planner.result import Plan
+from remat.runtime.examples import EXAMPLES
+from remat.runtime.rewrite import rewrite
 from benchmarks.zoo_models import ZOO
 
 from conftest import UNPLANNED, Planned, measured_peak

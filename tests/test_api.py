@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner import ForwardError, InfeasibleBudgetError, TraceError, analyze, plan
-from runtime import peak_memory, plan_and_wrap
-from runtime import examples
+from remat.planner import ForwardError, InfeasibleBudgetError, TraceError, analyze, plan
+from remat.runtime import peak_memory, plan_and_wrap
+from remat.runtime import examples
 
 from conftest import FAST, train_step
 
@@ -307,9 +307,9 @@ def test_a_plan_made_on_meta_applies_to_the_real_model():
     """Planned without memory (weights and inputs on `meta`, rates of the target device), saved
     as JSON, applied on the training machine without re-planning; a different model or input
     shape is refused with what differs."""
-    from planner import Plan, PlanOptions, PlanMismatchError, solve_plan
-    from planner.fit import unplanned_peak_bytes
-    from runtime import apply
+    from remat.planner import Plan, PlanOptions, PlanMismatchError, solve_plan
+    from remat.planner.fit import unplanned_peak_bytes
+    from remat.runtime import apply
     with torch.device("meta"):
         meta = examples.mlp(batch=256, width=256, depth=6)
     a = analyze(meta.model, meta.inputs, None, meta.loss_fn)
@@ -340,7 +340,7 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
     within the budget, and predicted to the byte (the optimizer's state and temporaries measured
     on fake tensors, not by a formula); also with bf16 parameters and frozen ones (LoRA-like:
     no grads, no optimizer state for them)."""
-    from planner import PlanOptions
+    from remat.planner import PlanOptions
     ex = examples.mlp(batch=256, width=256, depth=6)
     if variant != "fp32":
         ex = ex._replace(model=ex.model.to(torch.bfloat16), inputs=(ex.inputs[0].to(torch.bfloat16),))
@@ -375,7 +375,7 @@ def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
     """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/fit.py
     NOTE [ floor if needed ]): a plan that fits has none; a budget below the floor is refused with
     the floor the search as it was (always searched) finds, and that floor, typed back in, fits."""
-    import runtime.api as api
+    import remat.runtime.api as api
     ex = examples.EXAMPLES["mlp"]()
     unplanned = plan(ex.model, 1e3, example_inputs=ex.inputs, options=FAST).unplanned_peak_bytes
     w = plan_and_wrap(copy.deepcopy(ex.model), unplanned * 0.6 / 1e9, example_inputs=ex.inputs, options=FAST)
@@ -400,7 +400,7 @@ def test_a_budget_at_a_floor_already_found_goes_straight_to_the_full_search(monk
     """planner/fit.py NOTE [ floor if needed ]: after a refusal, a plan at the floor it named (or a
     budget below the fixed bytes) runs the floor search at once, not first the solve without it
     that would fail; the plan is the full search's, whatever FLOORS holds."""
-    import planner.fit as fit
+    import remat.planner.fit as fit
     ex = examples.EXAMPLES["mlp"]()
     a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
     cg = a.cost_graph

@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from planner import InfeasibleBudgetError
-from planner.result import Plan
-from runtime import apply, plan_and_wrap
-from runtime.measure import peak_memory, training_loss
+from remat.planner import InfeasibleBudgetError
+from remat.planner.result import Plan
+from remat.runtime import apply, plan_and_wrap
+from remat.runtime.measure import peak_memory, training_loss
 
 from conftest import FAST
 
@@ -331,10 +331,9 @@ def test_the_floor_is_one_replayed_number_that_fits_when_typed_back(make):
 def test_a_capture_the_detectors_miss_is_caught_by_the_check(monkeypatch, caplog):
     """With the detectors off (a construct nobody listed), the capture check sees the STE's zero
     gradients on one sample and takes the next path, saying so."""
-    import planner.fidelity
-    import planner.trace
-    monkeypatch.setattr(planner.trace, "watching", lambda proxies_only: contextlib.nullcontext())
-    monkeypatch.setattr(planner.fidelity.Modes, "check", lambda self: None)
+    from remat.planner import fidelity, trace
+    monkeypatch.setattr(trace, "watching", lambda proxies_only: contextlib.nullcontext())
+    monkeypatch.setattr(fidelity.Modes, "check", lambda self: None)
     with caplog.at_level(logging.WARNING, logger="remat"):
         plan, _ = check_pair(QuantNet(), (_seq(),), 1.0, path="module tree")
     assert "does not compute what the model does" in caplog.text
@@ -342,7 +341,7 @@ def test_a_capture_the_detectors_miss_is_caught_by_the_check(monkeypatch, caplog
 
 
 def test_the_capture_check_is_skipped_on_meta():
-    from planner.api import analyze
+    from remat.planner.api import analyze
     with torch.device("meta"):
         model = QuantNet()
     a = analyze(model, (torch.empty(4, 8, 32, device="meta"),))

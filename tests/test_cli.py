@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.budget import parse_budget, parse_budget_range, parse_percent
-from planner.errors import BudgetError
-from runtime.cli import main
-from runtime.testing import assert_fits
+from remat.planner.budget import parse_budget, parse_budget_range, parse_percent
+from remat.planner.errors import BudgetError
+from remat.runtime.cli import main
+from remat.runtime.testing import assert_fits
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--time-limit", "3"]
@@ -75,7 +75,7 @@ def _env(extra_path: Path | None = None) -> dict:
 
 
 def start(*args, extra_path: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runtime", *map(str, args)], cwd=ROOT, env=_env(extra_path),
+    return subprocess.Popen([sys.executable, "-m", "remat", *map(str, args)], cwd=ROOT, env=_env(extra_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -391,7 +391,7 @@ def test_the_cli_leaves_no_process_state_behind(capsys):
     """`main` in a process (a test, a notebook) restores the `remat` logger and the environment."""
     import logging
     import os
-    from runtime.cli.main import main
+    from remat.runtime.cli.main import main
     log = logging.getLogger("remat")
     before = (log.handlers[:], log.level, log.propagate, os.environ.get("KINETO_LOG_LEVEL"))
     main(["report", "mlp", "--budget", "not-a-budget"])

@@ -26,17 +26,14 @@ def wrong_width():
     return model, (torch.randn(512, 32),)
 '''
 
-# the CLI entered as the `remat` script and `python -m runtime` enter it, except that the `runtime`
-# package's __init__ is not run: what runtime/cli/main.py does before torch is imported
+# the CLI entered as the `remat` script and `python -m remat` enter it: main.py imported straight
+# (the `remat` and `remat.runtime` packages' __init__s import nothing: their names are lazy), so
+# what runtime/cli/main.py does before torch is imported is all that runs first
 _MAIN_ONLY = """
-import sys, types
-pkg = types.ModuleType("runtime")
-pkg.__path__ = [sys.argv[1]]
-sys.modules["runtime"] = pkg
-from runtime.cli.main import main
+import sys
+from remat.runtime.cli.main import main
 sys.exit(main(sys.argv[2:]))
 """
-
 
 @pytest.fixture(scope="module")
 def factories(tmp_path_factory) -> Path:
@@ -58,7 +55,7 @@ def no_numpy(tmp_path_factory) -> Path:
 def start(*argv, path=(), code: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "PYTHONWARNINGS")}
     env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] + [str(ROOT)])
-    cmd = [sys.executable] + (["-c", code] if code is not None else ["-m", "runtime"]) + [str(a) for a in argv]
+    cmd = [sys.executable] + (["-c", code] if code is not None else ["-m", "remat"]) + [str(a) for a in argv]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

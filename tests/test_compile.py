@@ -7,9 +7,9 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
-from runtime import examples
-from runtime.api import plan_and_wrap
-from runtime.measure import peak_memory
+from remat.runtime import examples
+from remat.runtime.api import plan_and_wrap
+from remat.runtime.measure import peak_memory
 
 from conftest import FAST
 
@@ -73,7 +73,7 @@ def test_compiled_plan_fits_and_trains_like_the_original(case, name):
 def test_compiled_budget_below_the_compiled_floor_names_it(case):
     """ResNet's compiled step saves more than its eager one: a budget the eager plan meets can be
     below every compiled plan; the error names the smallest compiled budget, measured."""
-    from planner import InfeasibleBudgetError
+    from remat.planner import InfeasibleBudgetError
     c = case("resnet")
     with pytest.raises(InfeasibleBudgetError) as e:
         _compiled("resnet", c.min_feasible)

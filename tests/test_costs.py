@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner import PlanOptions, SolveOptions, analyze, plan
-from planner.costs import (OVERHEADS, CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path,
+from remat.planner import PlanOptions, SolveOptions, analyze, plan
+from remat.planner.costs import (OVERHEADS, CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path,
                            cost_model_for, measured_costs, time_ops)
-from planner.rates import DeviceRates
-from planner.result import Plan, Region
-from planner.simulate import region_recompute
-from runtime import examples, plan_and_wrap
-from runtime.cli.main import main
-from runtime.rewrite import REGION_PROBE, RecomputeTimes, regions_of, rewrite
+from remat.planner.rates import DeviceRates
+from remat.planner.result import Plan, Region
+from remat.planner.simulate import region_recompute
+from remat.runtime import examples, plan_and_wrap
+from remat.runtime.cli.main import main
+from remat.runtime.rewrite import REGION_PROBE, RecomputeTimes, regions_of, rewrite
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
 

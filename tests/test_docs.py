@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.docs import DOCS, ROOT, ExampleError, block, examples, find_examples, normalise, rewrite, run_all
-from runtime.examples import EXAMPLES
+from remat.runtime.examples import EXAMPLES
 
 CLI_MD = ROOT / "docs" / "cli.md"
 README = ROOT / "README.md"
@@ -109,14 +109,13 @@ _PYTHON_EXAMPLE = re.compile(r"^<!-- remat-python-example -->\n```python\n(?P<co
 
 def test_the_readme_python_example_runs_as_written(tmp_path):
     """The README's complete example (under `<!-- remat-python-example -->`), run as a user runs it:
-    a fresh process in an empty folder, this checkout first on the path, no plan cache; it prints
-    what the README says it prints."""
+    a fresh process in an empty folder, with the package as installed (`pip install -e .`), no plan
+    cache; it prints what the README says it prints (tests/test_package.py runs it from the wheel)."""
     found = _PYTHON_EXAMPLE.findall(README.read_text())
     assert len(found) == 1, "README.md: one `<!-- remat-python-example -->` python block, then its ```text output"
     code, prints = found[0]
     (tmp_path / "example.py").write_text(code)
-    env = {**os.environ, "REMAT_CACHE": "0",
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    env = {**os.environ, "REMAT_CACHE": "0"}
     r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr

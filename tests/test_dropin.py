@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 
-from planner.errors import InfeasibleBudgetError
-from planner.storage import LiveBytes
-from runtime import plan_and_wrap, remove
-from runtime import examples
+from remat.planner.errors import InfeasibleBudgetError
+from remat.planner.storage import LiveBytes
+from remat.runtime import plan_and_wrap, remove
+from remat.runtime import examples
 
 
 def _mlp():

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.fx
 
-from runtime.examples import EXAMPLES, Example, gpt2, resnet, unet
+from remat.runtime.examples import EXAMPLES, Example, gpt2, resnet, unet
 
 NAMES = sorted(EXAMPLES)
 
@@ -20,7 +20,7 @@ def _run(module, inputs, seed=123):
 
 def test_every_built_in_is_a_cli_model(capsys):
     """The names the CLI takes are the registry's: each one loads, and an unknown name lists them all."""
-    from runtime.cli.session import UsageError, load_model
+    from remat.runtime.cli.session import UsageError, load_model
     for name in EXAMPLES:
         assert load_model(name).label == f"built-in {name}"
     with pytest.raises(UsageError) as e:

@@ -97,8 +97,8 @@ def test_the_checker_catches_a_wrong_model():
     case = fuzz.make_case(1, None, False, capture=False)       # a seed that passes (2 checkpoint regions at HEAD 5ee7ac7)
     wrong = fuzz.Case(case.seed, case.model, case.args, case.kwargs, case.target, case.loss_fn,
                       case.mode, case.u, case.features)
-    import runtime
-    real = runtime.plan_and_wrap
+    import remat
+    real = remat.plan_and_wrap
 
     def perturbed(model, *a, **kw):
         wrapped = real(model, *a, **kw)

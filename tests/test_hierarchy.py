@@ -9,17 +9,17 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from planner import CostGraph, PlanOptions, SolveOptions, solve_plan
-from planner.baselines import blocks, sac_keepable
-from planner.candidates import FULL_PAIRS, candidates
-from planner.costgraph import NodeCost, StorageCost
-from planner.blocks import block_graph, block_types, segments
-from planner.chain import chain_dp
-from planner.hierarchy import HierarchicalSolver, for_graph
-from planner.segment import segment_graph
-from planner.improve import search
-from planner.simulate import timeline
-from planner.solve import solve_ilp, solve_min_peak
+from remat.planner import CostGraph, PlanOptions, SolveOptions, solve_plan
+from remat.planner.baselines import blocks, sac_keepable
+from remat.planner.candidates import FULL_PAIRS, candidates
+from remat.planner.costgraph import NodeCost, StorageCost
+from remat.planner.blocks import block_graph, block_types, segments
+from remat.planner.chain import chain_dp
+from remat.planner.hierarchy import HierarchicalSolver, for_graph
+from remat.planner.segment import segment_graph
+from remat.planner.improve import search
+from remat.planner.simulate import timeline
+from remat.planner.solve import solve_ilp, solve_min_peak
 
 MB = 10**6
 EXACT = SolveOptions(max_cuts=10**6, max_span=10**6, rel_gap=0.0, max_nodes=10**9, time_limit_s=120, improve_evals=0)
@@ -94,7 +94,7 @@ def valid(cg: CostGraph, regions) -> bool:
 # ------------------------------------------------------------------------------ structure
 def test_the_hierarchy_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import planner.hierarchy, planner.blocks, planner.segment, planner.chain, planner.costgraph, planner.fit\n"
+            "import remat.planner.hierarchy, remat.planner.blocks, remat.planner.segment, remat.planner.chain, remat.planner.costgraph, remat.planner.fit\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m]]\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
@@ -223,7 +223,7 @@ def test_the_chain_alone_is_near_the_optimum_of_its_plan_space(seed):
 
 
 def test_chain_dp_takes_the_cheapest_mix():
-    from planner.segment import Option
+    from remat.planner.segment import Option
     # two blocks, each keeping 10 bytes for free or 2 at a cost of 1, peaking 10 above what the
     # blocks before it keep: within 15 the first must keep 2, the second need not
     o = [Option((), 10, 10, 0.0), Option((), 2, 10, 1.0)]
@@ -282,7 +282,7 @@ def test_segment_ilps_solved_at_once_give_the_plans_solved_one_by_one(monkeypatc
     """run_jobs solves WIDTH segment ILPs at once (threads, one CBC process each): the plans are those
     of solving the same jobs one after another, and a split started from its gap's lower point finds
     the plan of a cold start."""
-    import planner.hierarchy as H
+    import remat.planner.hierarchy as H
 
     cg = block_chain(11, n_blocks=4, size=4)
     budget = exact_budgets(cg, (0.4,))[1][0]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.storage import LiveBytes
-from runtime import plan_and_wrap
+from remat.planner.storage import LiveBytes
+from remat.runtime import plan_and_wrap
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime import plan_and_wrap
-from runtime.measure import training_loss
+from remat.runtime import plan_and_wrap
+from remat.runtime.measure import training_loss
 
 from conftest import FAST
 
@@ -170,8 +170,8 @@ def test_a_module_tree_plan_is_cached_too(cache_dir):
 
 SCRIPT = """
 import time
-from planner import PlanOptions, SolveOptions
-from runtime import examples, plan_and_wrap
+from remat.planner import PlanOptions, SolveOptions
+from remat.runtime import examples, plan_and_wrap
 ex = examples.mlp(depth=8, width=256, batch=256, in_features=64)
 t = time.perf_counter()
 w = plan_and_wrap(ex.model, "80%", example_inputs=ex.inputs, loss_fn=ex.loss_fn,

@@ -14,12 +14,12 @@ import warnings
 import pytest
 import torch
 
-import planner.kernels as kernels
-from planner import PlanOptions, SolveOptions
-from runtime import examples, plan_and_wrap
-from runtime.cli import plots
-from runtime.cli.main import main
-from runtime.measure import allocator_peak
+import remat.planner.kernels as kernels
+from remat.planner import PlanOptions, SolveOptions
+from remat.runtime import examples, plan_and_wrap
+from remat.runtime.cli import plots
+from remat.runtime.cli.main import main
+from remat.runtime.measure import allocator_peak
 
 
 @pytest.fixture(scope="module", autouse=True)

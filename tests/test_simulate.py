@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 from conftest import ilp_peaks_of_random_plans
 
-from planner import solve_plan
-from planner.candidates import candidates
-from planner.simulate import timeline
-from runtime.rewrite import rewrite, rewrite_plan
-from runtime.measure import dry_run_peak
+from remat.planner import solve_plan
+from remat.planner.candidates import candidates
+from remat.planner.simulate import timeline
+from remat.runtime.rewrite import rewrite, rewrite_plan
+from remat.runtime.measure import dry_run_peak
 
 
 def random_plans(cg, n: int, seed: int):

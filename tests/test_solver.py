@@ -12,13 +12,13 @@ import pulp
 import pytest
 from conftest import ilp_peaks_of_random_plans
 
-from planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
-from planner.baselines import sac_keepable
-from planner.candidates import candidates, trivial_nodes
-from planner.costgraph import NodeCost, StorageCost
-from planner.improve import Judge, improve
-from planner.simulate import timeline
-from planner.solve import solve_ilp
+from remat.planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
+from remat.planner.baselines import sac_keepable
+from remat.planner.candidates import candidates, trivial_nodes
+from remat.planner.costgraph import NodeCost, StorageCost
+from remat.planner.improve import Judge, improve
+from remat.planner.simulate import timeline
+from remat.planner.solve import solve_ilp
 
 MB = 10**6
 
@@ -291,15 +291,17 @@ PURE_CORE = ("costgraph", "simulate", "candidates", "baselines", "improve", "sol
 
 
 def test_the_pure_core_imports_without_torch():
-    """The solver layer is plain data and math: importable (and usable) where torch cannot be."""
+    """The import contract: the solver layer is plain data and math, importable (and usable) where
+    torch cannot be, and it never imports the runtime."""
     code = ("import sys; sys.modules['torch'] = None\n"          # `import torch` now raises ImportError
-            f"import importlib; [importlib.import_module('planner.' + m) for m in {PURE_CORE!r}]\n"
-            "from planner import Region, SolveOptions, solve_plan, parse_budget\n"
-            "assert parse_budget('24GB').value == 24e9 and 'torch' not in [m for m in sys.modules if sys.modules[m]]\n")
+            f"import importlib; [importlib.import_module('remat.planner.' + m) for m in {PURE_CORE!r}]\n"
+            "from remat.planner import Region, SolveOptions, solve_plan, parse_budget\n"
+            "assert parse_budget('24GB').value == 24e9 and 'torch' not in [m for m in sys.modules if sys.modules[m]]\n"
+            "assert not [m for m in sys.modules if m.startswith('remat.runtime')], 'the core imported the runtime'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import planner.api"],
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import remat.planner.api"],
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode != 0 and "torch" in r.stderr          # the check can fail: the torch side needs torch
 
@@ -310,8 +312,8 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
     peak instead of failing with SolverError."""
     import pulp
 
-    import planner.solve as solve
-    from planner.baselines import known_plans
+    import remat.planner.solve as solve
+    from remat.planner.baselines import known_plans
 
     cg = chain(8, [4, 3, 5, 2, 6, 3, 4, 1], [5, 1, 6, 1, 7, 1, 5, 1])
     monkeypatch.setattr(solve, "_run", lambda *a, **k: (0.0, "Not Solved", pulp.LpSolutionNoSolutionFound))
@@ -325,7 +327,7 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
 def test_reuse_plan_keeps_regions_where_they_fit_and_only_there():
     """planner.fit.reuse_plan: a plan's regions on the same graph at other sizes, predicted as
     solve_plan predicts (here the simulator); None where they do not fit or the graph differs."""
-    from planner.fit import reuse_plan
+    from remat.planner.fit import reuse_plan
     big = chain(4, [8, 1, 8, 1], [1, 1, 1000, 1])
     plan = solve_plan(big, 26 * MB)
     assert plan.regions
@@ -345,7 +347,7 @@ def test_the_same_ilp_is_solved_once(monkeypatch):
     """NOTE [ solved once ]: a problem solved before in the process comes back from memory with
     the plan a fresh CBC run gives; any change to what CBC is given (the budget, a warm start, an
     option) is solved anew."""
-    import planner.solve as ilp
+    import remat.planner.solve as ilp
     runs = []
     real = pulp.LpProblem.solve
     monkeypatch.setattr(pulp.LpProblem, "solve", lambda prob, solver=None: (runs.append(1), real(prob, solver))[1])

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
-from planner.profile import draws_random
-from planner.storage import PINNING_LOSSES, LiveBytes
-from runtime import plan_and_wrap
-from runtime.measure import peak_memory
+from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
+from remat.planner.profile import draws_random
+from remat.planner.storage import PINNING_LOSSES, LiveBytes
+from remat.runtime import plan_and_wrap
+from remat.runtime.measure import peak_memory
 
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=3.0))
 
@@ -157,8 +157,8 @@ def test_a_buffer_read_and_updated_in_forward_is_traced_not_frozen():
 
 def _one_region(model, inputs):
     """`model` rewritten with a single checkpoint region over every node but the loss."""
-    from planner.result import Plan, Region
-    from runtime.rewrite import rewrite
+    from remat.planner.result import Plan, Region
+    from remat.runtime.rewrite import rewrite
     a = analyze(model, inputs, None, None)
     names = tuple(c.name for c in a.cost_graph.nodes)
     gm = rewrite(model, a.traced.gm, (Region(0, len(names) - 2),), names, a.cost_graph.meta)
@@ -286,10 +286,10 @@ def test_ops_outside_torchs_namespaces_are_random_unless_declared():
 
 
 def test_opaque_modules_are_never_kept_by_a_sac_region():
-    from planner.baselines import sac_keepable
-    from runtime.rewrite import rewrite
-    from planner.errors import UnsafePlanError
-    from planner.result import Plan, Region
+    from remat.planner.baselines import sac_keepable
+    from remat.runtime.rewrite import rewrite
+    from remat.planner.errors import UnsafePlanError
+    from remat.planner.result import Plan, Region
 
     class Branchy(nn.Module):
         def __init__(self):
@@ -314,7 +314,7 @@ def test_opaque_modules_are_never_kept_by_a_sac_region():
 
 def test_planning_leaves_every_rng_as_it_found_it(monkeypatch):
     import numpy as np
-    from planner import rng as rng_module
+    from remat.planner import rng as rng_module
     model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 4))
     x = torch.randn(8, 32)
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
@@ -404,7 +404,7 @@ def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
     """CPU native_batch_norm returns a contiguous output for a transposed (N, C, L) input; its meta
     kernel keeps the input's strides, so a later reshape copied for real only (fuzz seed 22)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from planner.storage import real_layout
+    from remat.planner.storage import real_layout
     x = torch.randn(2, 12, 16).transpose(1, 2)          # (N, C, L), channels innermost
     args = (x, torch.ones(16), torch.zeros(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)
     fwd = torch.ops.aten.native_batch_norm.default
@@ -434,7 +434,7 @@ def test_fake_norms_of_autocast_dtypes_are_the_real_kernels(norm):
     gives the input's dtype where its meta kernel gives float32. LayerNorm's were under-predicted
     (4 kB at examples.mlp's floor under autocast, measured over the budget; fuzz seeds 2 and 19)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from planner.storage import real_layout
+    from remat.planner.storage import real_layout
     aten = torch.ops.aten
     x, w, b = torch.randn(4, 8, 6, dtype=torch.bfloat16), torch.ones(8), torch.zeros(8)
     op, args = {"batch": (aten.native_batch_norm.default, (x, w, b, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
@@ -550,7 +550,7 @@ def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtyp
     compared with no cost per op, so that recompute costs are the same on both.)"""
     from dataclasses import replace
 
-    from planner.rates import DeviceRates
+    from remat.planner.rates import DeviceRates
     no_op_cost = PlanOptions(rates=replace(DeviceRates.for_device("cpu"), op_s=0.0))
     graphs = {}
     for device in ("cpu", "meta"):
@@ -613,8 +613,8 @@ def test_sac_regions_under_autocast_recompute_what_the_forward_computed(shared, 
     casts cached (backward inside autocast) gave the first layer's input cast its weight's cast
     (square layers: silently wrong gradients), a region whose forward found its weight cast
     already (the weight used before it) failed in backward (runtime/rewrite/sac.py)."""
-    from planner.result import Region
-    from runtime.rewrite import rewrite
+    from remat.planner.result import Region
+    from remat.runtime.rewrite import rewrite
     torch.manual_seed(0)
     model = _SharedLinear() if shared else nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(),
                                                          nn.Linear(8, 8, bias=False))
@@ -633,9 +633,9 @@ def test_known_plans_replay_under_autocast_as_the_real_step_measures():
     known plan's recompute (found cached casts), so every plan_and_wrap under autocast that
     replayed it (a budget below the floor, a SAC plan chosen) raised RuntimeError; hf-gpt2's was
     an IndexError in an SDPA transpose. Now each replays to the byte of the real step's meter."""
-    from planner.baselines import known_plans
-    from runtime.api import ExactReplay
-    from runtime.rewrite import rewrite
+    from remat.planner.baselines import known_plans
+    from remat.runtime.api import ExactReplay
+    from remat.runtime.rewrite import rewrite
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)])
     x = torch.randn(512, 32)
@@ -661,9 +661,9 @@ def test_hf_gpt2_plans_under_autocast():
     IndexError in an SDPA transpose during the recompute, and so did plan_and_wrap at 35%."""
     pytest.importorskip("transformers")
     from benchmarks.models import MODELS
-    from planner.baselines import known_plans
-    from runtime.api import ExactReplay
-    from runtime.rewrite import rewrite
+    from remat.planner.baselines import known_plans
+    from remat.runtime.api import ExactReplay
+    from remat.runtime.rewrite import rewrite
     ex = MODELS["hf-gpt2"]()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = analyze(ex.model, ex.inputs, None, ex.loss_fn)

@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from planner.baselines import every_block
-from planner.simulate import timeline
-from runtime import peak_memory, plan_and_wrap
-from runtime.measure import preserved
+from remat.planner.baselines import every_block
+from remat.planner.simulate import timeline
+from remat.runtime import peak_memory, plan_and_wrap
+from remat.runtime.measure import preserved
 
 from conftest import FAST, train_step
 
@@ -61,7 +61,7 @@ def test_never_more_recompute_than_every_block(case, name):
     blocks = every_block(cg)
     assert blocks, f"{name} has repeated blocks"
     tl = timeline(cg, blocks)
-    from planner import solve_plan
+    from remat.planner import solve_plan
     ours = solve_plan(cg, int(tl.peak_bytes * 1.01) + 1, FAST)
     assert ours.recompute_flops <= tl.recompute_flops
 
@@ -96,12 +96,12 @@ def test_nodes_that_draw_random_numbers_are_never_kept():
     """Keeping (SAC-caching) attention with dropout skips its draw in the recompute, so the
     dropout after it would draw another mask: the planner never offers it, and the rewriter
     refuses a plan that keeps it, before any result is wrong."""
-    from planner import analyze
-    from planner.baselines import sac_every_block, sac_keepable
-    from planner.errors import UnsafePlanError
-    from planner.result import Plan, Region
-    from planner.trace import capture
-    from runtime.rewrite import rewrite
+    from remat.planner import analyze
+    from remat.planner.baselines import sac_every_block, sac_keepable
+    from remat.planner.errors import UnsafePlanError
+    from remat.planner.result import Plan, Region
+    from remat.planner.trace import capture
+    from remat.runtime.rewrite import rewrite
     x = torch.randn(4, 16, 32)
     for p in (0.0, 0.2):
         torch.manual_seed(0)

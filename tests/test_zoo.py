@@ -12,8 +12,8 @@ import io
 import pytest
 import torch
 
-from runtime import plan_and_wrap
-from runtime.measure import peak_memory, preserved
+from remat.runtime import plan_and_wrap
+from remat.runtime.measure import peak_memory, preserved
 from benchmarks.zoo_models import ZOO
 
 from conftest import FAST, kept_plans, max_diff, planned_step, step as _step

@@ -28,15 +28,15 @@ from typing import Callable
 # as long as the `runtime` package's own __init__ does not import torch first.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
-from planner.errors import BudgetError
-from planner.result import Plan
-from planner.rng import rng_preserved
-from planner.simulate import timeline
+from remat.planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
+from remat.planner.errors import BudgetError
+from remat.planner.result import Plan
+from remat.planner.rng import rng_preserved
+from remat.planner.simulate import timeline
 
 from . import plots
 from ..distributed import per_rank_analysis
-from planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
+from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
 
 from .report import report_text, segments, table
 from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct, measure_peak_bytes, model_code, profile_model,

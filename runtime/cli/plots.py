@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.result import Region
-from planner.simulate import Timeline
+from remat.planner.result import Region
+from remat.planner.simulate import Timeline
 
 FIGSIZE_IN = (9.0, 5.0)
 DPI = 100

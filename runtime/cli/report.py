@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner import CostGraph, PlanOptions
-from planner.result import Plan, Region
-from planner.simulate import keep_release, region_index, region_recompute, timeline
+from remat.planner import CostGraph, PlanOptions
+from remat.planner.result import Plan, Region
+from remat.planner.simulate import keep_release, region_index, region_recompute, timeline
 
-from planner.budget import size_text
+from remat.planner.budget import size_text
 
 
 @dataclass(frozen=True)

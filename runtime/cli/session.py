@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-from planner.compat import tree_flatten
+from remat.planner.compat import tree_flatten
 
-from planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
-from planner.api import analyze_for
-from planner.errors import BudgetError
-from planner.fit import unplanned_peak_bytes
-from planner.result import Plan
+from remat.planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, TraceError, analyze, solve_plan
+from remat.planner.api import analyze_for
+from remat.planner.errors import BudgetError
+from remat.planner.fit import unplanned_peak_bytes
+from remat.planner.result import Plan
 
 from .. import examples
 from ..api import ExactReplay

@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from planner.compat import tree_flatten
+from remat.planner.compat import tree_flatten
 
-from planner.storage import LiveBytes
+from remat.planner.storage import LiveBytes
 
 
 def _tensors(things) -> list[torch.Tensor]:

@@ -11,10 +11,10 @@ import contextlib
 
 import torch
 
-from planner.opaque import stand_in, step_held
-from planner.state import hooks_set, instance_forwards, named_tensors
-from planner.step import fake_step, run_step, training_loss
-from planner.storage import LiveBytes
+from remat.planner.opaque import stand_in, step_held
+from remat.planner.state import hooks_set, instance_forwards, named_tensors
+from remat.planner.step import fake_step, run_step, training_loss
+from remat.planner.storage import LiveBytes
 
 
 @contextlib.contextmanager

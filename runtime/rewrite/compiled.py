@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.state import training_modes
+from remat.planner.state import training_modes
 
 from ..measure import peak_memory, preserved, training_loss
 from .graph import rewrite

@@ -17,11 +17,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from planner.compat import force_original_view_tracking
-from planner.errors import UnsafePlanError
-from planner.profile import compute_nodes, draws_random
-from planner.result import Plan, Region
-from planner.state import Snapshot
+from remat.planner.compat import force_original_view_tracking
+from remat.planner.errors import UnsafePlanError
+from remat.planner.profile import compute_nodes, draws_random
+from remat.planner.result import Plan, Region
+from remat.planner.state import Snapshot
 
 from .sac import selective_contexts
 

@@ -13,15 +13,15 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from planner import PlanOptions
-from planner.budget import Budget
-from planner.optimizer import optimizer_memory
-from planner.errors import InfeasibleBudgetError
-from planner.fit import replay_margin
-from planner.modules import ModuleProfile, block_units, profile_modules, solve_units
-from planner.result import Plan, Region
-from planner.state import instance_forwards, step_preserved, training_modes
-from planner.step import run_step, training_loss
+from remat.planner import PlanOptions
+from remat.planner.budget import Budget
+from remat.planner.optimizer import optimizer_memory
+from remat.planner.errors import InfeasibleBudgetError
+from remat.planner.fit import replay_margin
+from remat.planner.modules import ModuleProfile, block_units, profile_modules, solve_units
+from remat.planner.result import Plan, Region
+from remat.planner.state import instance_forwards, step_preserved, training_modes
+from remat.planner.step import run_step, training_loss
 
 from ..measure import peak_memory
 from .graph import rewinding

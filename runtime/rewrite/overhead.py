@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from planner.costs import OverheadProbe, Overheads, time_call
-from planner.profile import compute_nodes
-from planner.result import Region
+from remat.planner.costs import OverheadProbe, Overheads, time_call
+from remat.planner.profile import compute_nodes
+from remat.planner.result import Region
 
 from .graph import rewrite, view_replay
 

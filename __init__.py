@@ -1,0 +1,37 @@
+"""remat: fit a PyTorch training step into a memory budget, at the least recompute.
+
+    from remat import plan_and_wrap
+    model = plan_and_wrap(model, budget_gb=24, example_inputs=(x,), loss_fn=loss_fn)
+
+Installed, the project is this one package: `remat.planner` (capture, cost graph, ILP; its core
+needs no torch: tests/test_solver.py's import contract) and `remat.runtime` (the rewrite, the
+measures, the CLI), built from the repository's `planner/` and `runtime/` folders
+(pyproject.toml's package-dir: the repository root is the package). Names are exported lazily,
+so `import remat` imports neither torch nor the solver until a name is used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    **dict.fromkeys(("plan_and_wrap", "apply", "remove", "Remat", "peak_memory", "assert_fits"), "runtime"),
+    **dict.fromkeys(("plan", "analyze", "PlanOptions", "SolveOptions", "Plan", "Region", "CostGraph",
+                     "parse_budget", "RematError", "InfeasibleBudgetError", "TraceError", "SolverError",
+                     "BudgetError", "ForwardError", "PlanMismatchError", "UnsafePlanError"), "planner"),
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
