@@ -6,7 +6,8 @@ trains the plain model on the global batch as the oracle. Run by tests/test_dist
 Every CONFIG runs in turn in one pair of ranks (one process group: a launch costs more than a
 configuration's steps), each on a fresh model and optimizer. CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
 no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
-FSDP2 without remat), "infeasible" (FSDP2 and a budget no plan fits) or "gpt" (issue 23's held-out
+FSDP2 without remat), "infeasible" (FSDP2 and a budget no plan fits), "llama" or "gpt2" (a tiny
+Hugging Face causal LM, its decoder layers sharded) or "gpt" (issue 23's held-out
 GPT: vocab 2048, cross-entropy, FSDP2 with default resharding, no optimizer, the budget halfway
 between the measured peaks of FSDP2 with and without per-block checkpointing). Writes, per CONFIG, per rank: the plan's budget, prediction and
 regions, the measured peak of the third step (allocator events; DDP adds its reducer's buckets,
@@ -29,8 +30,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from remat.runtime import plan_and_wrap                         # noqa: E402
-from remat.runtime.measure.peak import allocator_peak           # noqa: E402
+from runtime import plan_and_wrap                         # noqa: E402
+from runtime.measure.peak import allocator_peak           # noqa: E402
 
 WORLD, BATCH, SEQ = 2, 8, 256
 STEPS = 3                # two warm-up steps, the third measured
@@ -122,18 +123,33 @@ def hf_llama() -> nn.Module:
                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
 
 
-def llama_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def hf_gpt2() -> nn.Module:
+    """A tiny Hugging Face GPT2LMHeadModel from a config (4 blocks, d=128, vocab 512, no dropout)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=128,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+HF = {"llama": hf_llama, "gpt2": hf_gpt2}
+
+
+def hf_layers(m: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM (Llama's model.layers, GPT-2's transformer.h)."""
+    return m.model.layers if hasattr(m, "model") else m.transformer.h
+
+
+def hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return tuple(torch.randint(0, 512, (GPT_BATCH * WORLD, 64), generator=g) for _ in range(2))
 
 
-def llama_loss(targets: torch.Tensor):
+def hf_loss(targets: torch.Tensor):
     return lambda out: nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
 
 
 def model(config: str = "") -> nn.Module:
     torch.manual_seed(0)
-    return {"gpt": GPT, "llama": hf_llama}.get(config, Tiny)()
+    return {"gpt": GPT, **HF}.get(config, Tiny)()
 
 
 def factory():
@@ -162,7 +178,7 @@ def shard(m: nn.Module, config: str, checkpointed: bool = False) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kw = {"mp_policy": mixed} if config == "fsdp-bf16" else {}
-    for layer in (m.model.layers if config == "llama" else m.layers):
+    for layer in (hf_layers(m) if config in HF else m.layers):
         fully_shard(layer, reshard_after_forward=config != "fsdp-keep", **kw)
     return fully_shard(m, **kw)
 
@@ -189,8 +205,8 @@ def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
 def run_config(rank: int, config: str, out_dir: str) -> dict:
     if config == "gpt":
         return _held_out(rank, out_dir)
-    if config == "llama":
-        return _hf_llama(rank, out_dir)
+    if config in HF:
+        return _hugging_face(rank, out_dir, config)
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     local = batch().chunk(WORLD)[rank]
@@ -258,27 +274,28 @@ def _held_out(rank: int, out_dir: str) -> dict:
             "baselines": dict(zip(("fsdp", "fsdp+per-block"), peaks))}
 
 
-def _hf_llama(rank: int, out_dir: str) -> dict:
-    """A tiny Hugging Face Llama under FSDP2 (each decoder layer, then the root), no optimizer, at
-    85% of its unplanned peak: its decoder layers, which fx cannot trace, rewritten from their
-    exported graphs; the third step's gradients, against one process on the global batch."""
-    idx, targets = (t.chunk(WORLD)[rank] for t in llama_batch())
-    loss = llama_loss(targets)
-    m = shard(model("llama"), "llama")
+def _hugging_face(rank: int, out_dir: str, config: str) -> dict:
+    """A tiny Hugging Face causal LM (HF[config]) under FSDP2 (each decoder layer, then the
+    root), no optimizer, at 85% of its unplanned peak: its decoder layers, which fx cannot
+    trace, rewritten from their exported graphs; the third step's gradients, against one
+    process on the global batch."""
+    idx, targets = (t.chunk(WORLD)[rank] for t in hf_batch())
+    loss = hf_loss(targets)
+    m = shard(model(config), config)
     w = plan_and_wrap(m, "85%", example_inputs=(idx,), loss_fn=loss)
     peak = _peak_of_third_step(m, lambda: loss(w(idx)).backward(), (idx, targets))
     grads = {n: _full(p.grad) for n, p in m.named_parameters()}          # collectives: on every rank
     params = {n: _full(p.detach()) for n, p in m.named_parameters()}
     if rank == 0:
-        torch.save((grads, params), os.path.join(out_dir, "llama-rank0.pt"))
-    rewritten = sum(type(layer.__dict__.get("forward")).__name__ == "GraphForward" for layer in m.model.layers)
+        torch.save((grads, params), os.path.join(out_dir, f"{config}-rank0.pt"))
+    rewritten = sum(type(layer.__dict__.get("forward")).__name__ == "GraphForward" for layer in hf_layers(m))
     return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
             "regions": len(w.remat.plan.regions), "rewritten_layers": rewritten}
 
 
 def _infeasible(m, local) -> dict:
     """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
-    from remat.planner.errors import InfeasibleBudgetError
+    from planner.errors import InfeasibleBudgetError
     try:
         plan_and_wrap(m, "1MB", example_inputs=(local,), loss_fn=loss_fn)
         return {"raised": None}
@@ -312,10 +329,10 @@ def oracle(config: str):
         for part, targets in zip(*(t.chunk(WORLD) for t in gpt_batch())):
             (gpt_loss(targets)(m(part)) / WORLD).backward()
         return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
-    if config == "llama":
-        m = model("llama")
-        for part, targets in zip(*(t.chunk(WORLD) for t in llama_batch())):
-            (llama_loss(targets)(m(part)) / WORLD).backward()
+    if config in HF:
+        m = model(config)
+        for part, targets in zip(*(t.chunk(WORLD) for t in hf_batch())):
+            (hf_loss(targets)(m(part)) / WORLD).backward()
         return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
