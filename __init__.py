@@ -11,7 +11,7 @@ so `import remat` imports neither torch nor the solver until a name is used.
 """
 from __future__ import annotations
 
-import importlib
+from .planner.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -24,14 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'remat' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

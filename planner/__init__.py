@@ -9,7 +9,7 @@ does not import the torch side.
 """
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_exports
 
 _EXPORTS = {
     "plan": "api", "analyze": "api", "Analysis": "api",
@@ -23,14 +23,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'remat.planner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -287,7 +287,7 @@ def test_sac_off_binds_every_plan(case):
 
 
 PURE_CORE = ("costgraph", "simulate", "candidates", "baselines", "improve", "solve", "fit", "result", "budget",
-             "units", "rates", "options", "errors", "hierarchy", "blocks", "segment", "chain", "distributed")
+             "units", "rates", "options", "errors", "hierarchy", "blocks", "segment", "chain", "distributed", "lazy")
 
 
 def test_the_pure_core_imports_without_torch():
