@@ -30,8 +30,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import plan_and_wrap                         # noqa: E402
-from runtime.measure.peak import allocator_peak           # noqa: E402
+from remat.runtime import plan_and_wrap                         # noqa: E402
+from remat.runtime.measure.peak import allocator_peak           # noqa: E402
 
 WORLD, BATCH, SEQ = 2, 8, 256
 STEPS = 3                # two warm-up steps, the third measured
@@ -295,7 +295,7 @@ def _hugging_face(rank: int, out_dir: str, config: str) -> dict:
 
 def _infeasible(m, local) -> dict:
     """A budget no plan fits: every rank raises (rank 0's error, broadcast), none waits."""
-    from planner.errors import InfeasibleBudgetError
+    from remat.planner.errors import InfeasibleBudgetError
     try:
         plan_and_wrap(m, "1MB", example_inputs=(local,), loss_fn=loss_fn)
         return {"raised": None}

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from planner import CostGraph, InfeasibleBudgetError, PlanOptions, Region, SolveOptions, solve_plan
-from planner.baselines import every_block
-from planner.candidates import SearchSpace
-from planner.costgraph import NodeCost, StorageCost
-from planner.distributed import ROOT_WHY, Sharding, Unit, per_rank, unit_of
-from planner.simulate import base_liveness, timeline
+from remat.planner import CostGraph, InfeasibleBudgetError, PlanOptions, Region, SolveOptions, solve_plan
+from remat.planner.baselines import every_block
+from remat.planner.candidates import SearchSpace
+from remat.planner.costgraph import NodeCost, StorageCost
+from remat.planner.distributed import ROOT_WHY, Sharding, Unit, per_rank, unit_of
+from remat.planner.simulate import base_liveness, timeline
 
 MB = 10**6
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_two_gloo_ranks_train_like_one_process_and_fit(config, two_ranks):
 
 
 def _report(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runtime", "report", "tests/distributed_worker.py:factory",
+    return subprocess.Popen([sys.executable, "-m", "remat", "report", "tests/distributed_worker.py:factory",
                              "--budget", "90%", "--optimizer", "adamw", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -197,7 +197,7 @@ def test_the_cli_plans_a_rank_of_any_world_from_one_process():
 
 def test_the_cli_refuses_what_one_process_cannot_do_for_a_job(capsys, monkeypatch):
     """In process (main() returns the exit code `remat` exits with), as tests/test_cli.py's MORE_BAD."""
-    from runtime.cli import main
+    from remat.runtime.cli import main
     monkeypatch.chdir(ROOT)
     assert main(["sweep", "tests/distributed_worker.py:factory", "--budgets", "50%..90%", "--world-size", "8",
                  "--fsdp", "--no-plot"]) == 2
@@ -212,8 +212,8 @@ def test_parameters_with_freed_storage_profile_as_the_real_ones(tied):
     weight (an embedding and its output layer, as GPTs tie them) is counted once."""
     import torch
 
-    from planner import analyze
-    from runtime.distributed import _empty
+    from remat.planner import analyze
+    from remat.runtime.distributed import _empty
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),
