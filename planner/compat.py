@@ -1,7 +1,7 @@
 """Every private torch API the planner and the runtime use, in one place (checked on torch 2.13.0,
 the version CI installs; pyproject's lower bound). A torch upgrade that moves one breaks here, at
-import, with its name, not deep inside a plan. FSDP2's private state, which runtime/distributed.py
-reads, is listed there (NOTE at its top). Public torch APIs are imported where they are used.
+import, with its name, not deep inside a plan. FSDP2's private state is read in
+runtime/distributed/fsdp.py alone (its docstring). Public torch APIs are imported where used.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ CHECKED_ON = "2.13.0"
 
 __all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "current_fake_mode", "disable_current_modes", "force_original_view_tracking", "functorch_active",
+           "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
 
@@ -41,3 +41,10 @@ def force_original_view_tracking(mode: bool):
 def is_custom_op_class(cls: type) -> bool:
     """A class torch.library's custom ops define (their autograd Functions)."""
     return cls.__module__.startswith("torch._library")
+
+
+def fake_store():
+    """The in-memory store of torch's `fake` process group (torch.testing's, private): imported
+    when a job is planned from one process, not before."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()

@@ -93,7 +93,7 @@ def fake_twin(t: torch.Tensor) -> torch.Tensor | None:
 
 def fake_copy(mode, t: torch.Tensor) -> torch.Tensor:
     """`mode.from_tensor(t)`, except that a tensor whose storage was freed (resized to 0: FSDP2's
-    gathered parameters between uses, the planning copy of runtime/distributed.py) becomes a fake
+    gathered parameters between uses, the planning copy of runtime/distributed/fsdp.py) becomes a fake
     tensor with a storage of its full size, as it is when it computes."""
     if t.untyped_storage().nbytes() or not t.numel() or t.device.type == "meta":
         return mode.from_tensor(t)

@@ -579,7 +579,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     if budget_gb is None and budget is None:
         raise BudgetError("plan_and_wrap() needs a budget: budget_gb=24 (GB), or a string such as '24GB' or '40%'")
     budget = as_budget(budget_gb if budget is None else budget)
-    if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed.py)
+    if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed/)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
     if time and example_inputs is None and example_kwargs is None:

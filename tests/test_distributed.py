@@ -213,7 +213,7 @@ def test_parameters_with_freed_storage_profile_as_the_real_ones(tied):
     import torch
 
     from remat.planner import analyze
-    from remat.runtime.distributed import _empty
+    from remat.runtime.distributed.fsdp import _empty
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),

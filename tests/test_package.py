@@ -9,6 +9,7 @@ environment (a path entry, not an install: seconds, not minutes); the wheel is i
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -29,10 +30,14 @@ def _run(*cmd, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+    """The wheel and the sdist, built from a copy of the checkout (a build in the checkout would
+    leave build/ there, whose stale files a later wheel would pack)."""
+    out, src = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("src") / "remat"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             "site", ".pytest_cache"))
     build = ("import sys; from setuptools import build_meta as b; "
              "out = sys.argv[1]; b.build_wheel(out); b.build_sdist(out)")   # build_meta rewrites sys.argv
-    _run(sys.executable, "-c", build, out, cwd=ROOT)
+    _run(sys.executable, "-c", build, out, cwd=src)
     return out
 
 
@@ -45,6 +50,9 @@ def test_the_wheel_holds_one_package(dist):
                  "remat/runtime/cli/main.py", "remat/runtime/rewrite/__init__.py", "remat/runtime/measure/__init__.py"):
         assert must in names, must
     assert not [n for n in names if n.startswith(("remat/tests", "remat/benchmarks", "remat/docs"))]
+    sources = {f"remat/{p.relative_to(ROOT).as_posix()}" for d in ("planner", "runtime") for p in (ROOT / d).rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert sources <= set(names), f"not in the wheel (pyproject's packages): {sorted(sources - set(names))}"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert re.search(r"^Requires-Dist: torch>=", meta, re.M) and "License-Expression: BSD-3-Clause" in meta
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()

@@ -108,7 +108,7 @@ def _profile(a, say) -> tuple[Loaded, Analysis]:
 
 
 def _per_rank(a, loaded: Loaded, say) -> Analysis:
-    """--fsdp / --ddp: one rank's step, planned from this process (runtime/distributed.py)."""
+    """--fsdp / --ddp: one rank's step, planned from this process (runtime/distributed/)."""
     if a.command == "sweep" or getattr(a, "measure", False) or getattr(a, "compile", False):
         raise UsageError("--fsdp and --ddp plan one rank from one process (report, check): sweep, --measure and "
                          "--compile need the job itself")
