@@ -105,13 +105,14 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
             return solve_plan(cg, budget_bytes, replace(options, find_min_feasible=False), opaque, measure)
         except InfeasibleBudgetError:
             pass                               # again with the floor search: the error names the floor
+    if not options.find_min_feasible:           # its refusals name no searched floor: not a guide
+        return _solve_plan(cg, budget_bytes, options, opaque, measure)
     try:
         plan = _solve_plan(cg, budget_bytes, options, opaque, measure)
     except InfeasibleBudgetError as e:
         _saw_floor(cg, e.min_feasible_bytes)
         raise
-    if plan.min_feasible_bytes is not None:
-        _saw_floor(cg, plan.min_feasible_bytes)
+    _saw_floor(cg, plan.min_feasible_bytes)
     return plan
 
 
@@ -127,7 +128,7 @@ def solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions = PlanOpti
 # floor this process has already found for the same graph (FLOORS: a refusal, then a plan at the
 # floor it named: the CLI's, the tests', a user's retry). FLOORS is a guide to which search runs
 # first, never a result: whatever it holds, the plan is the full search's (hf-llama at its
-# floor: 63 s -> 24 s, the solve without the search took 38 s to fail).
+# floor: 63 s -> 36 s on a loaded machine; the solve without the search took 38 s to fail).
 NEAR_FLOOR = 0.02
 FLOOR_ENTRIES = 256
 FLOORS: OrderedDict[int, int] = OrderedDict()     # graph_key(cg) -> the least floor found for it

@@ -1,9 +1,9 @@
-import contextlib
 import copy
 import functools
 import os
 import random
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -27,23 +27,13 @@ os.environ["REMAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="remat-test-cache-")
 os.environ.setdefault("REMAT_TEST_KEPT_PLANS", tempfile.mkdtemp(prefix="remat-test-kept-plans-"))
 
 
-@contextlib.contextmanager
 def kept_plans():
     """plan_and_wrap with the plan cache on (runtime/plan_cache.py), in a directory the session's
     workers share: for tests whose subject is what a wrapped model does (autocast, no_grad, state
     dicts, tied weights, a new shape), not how its plan was found, a plan another test made for the
     same model, inputs, budget and options is taken from disk, as a user's second run takes it.
     Plans made inside the test body (a re-plan for autocast or a new shape) are made anew."""
-    before = {k: os.environ.get(k) for k in ("REMAT_CACHE", "REMAT_CACHE_DIR")}
-    os.environ.update(REMAT_CACHE="1", REMAT_CACHE_DIR=os.environ["REMAT_TEST_KEPT_PLANS"])
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, REMAT_CACHE="1", REMAT_CACHE_DIR=os.environ["REMAT_TEST_KEPT_PLANS"])
 
 # Small solver limits keep the suite fast; planning quality is the benchmark's business.
 FAST = PlanOptions(solve=SolveOptions(time_limit_s=4.0))
