@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pulp
 import torch
 
-from .solve import cbc
+from .solve import cbc, cbc_command
 from .state import step_preserved
 from .step import run_step, tensors, training_loss
 from .storage import LiveBytes, unlinked
@@ -202,7 +202,7 @@ def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10
              + z <= budget_bytes)
     for k, u in enumerate(prof.units):
         prob += z >= u.transient_bytes * x[k]
-    cbc(prob, pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
+    cbc(prob, cbc_command(timeLimit=time_limit_s))
     if pulp.LpStatus[prob.status] != "Optimal":
         return None
     return tuple(k for k in range(n) if x[k].value() > 0.5)

@@ -340,10 +340,24 @@ def cbc(prob, solver) -> None:
             SOLVED.popitem(last=False)
 
 
+def cbc_command(threads: int = 1, **kw) -> pulp.PULP_CBC_CMD:
+    """CBC as every solve runs it (NOTE [ CBC's threads ])."""
+    return pulp.PULP_CBC_CMD(msg=False, threads=threads if threads > 1 else None, **kw)
+
+
+# NOTE [ CBC's threads ]
+# CBC given `threads 1` runs its parallel branch and bound with one worker thread, and that
+# worker sometimes never starts: CBC waits, using no CPU, until its time limit (its log says
+# "Thread 0 used 0 times, waiting to start 10.0"), then stops "on time limit" with its first
+# incumbent. On this project's CBC (PuLP's bundled 2.10) a 23-variable segment ILP of the
+# built-in gpt2 hung in 8 of 60 runs with `threads 1` and in none of 60 without; a plan of
+# gpt2 spent 20 of its 22 s in two such waits, and the plan it got depended on which solves
+# hung. Without the option CBC's search is serial, as deterministic as one thread, so one
+# thread is asked for by leaving `threads` out.
 def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None):
     nodes = opts.max_nodes if max_nodes is None else max_nodes
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,
-                               threads=opts.threads, warmStart=warm, options=[f"maxNodes {nodes}"])
+    solver = cbc_command(opts.threads, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,
+                         warmStart=warm, options=[f"maxNodes {nodes}"])
     t0 = time.perf_counter()
     cbc(prob, solver)
     return time.perf_counter() - t0, pulp.LpStatus[prob.status], prob.sol_status
@@ -371,7 +385,7 @@ def _lp_gap(m: Model, objective: float, opts: SolveOptions) -> float:
         return 0.0
     for v in m.x:
         v.cat = pulp.LpContinuous
-    cbc(m.prob, pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s))
+    cbc(m.prob, cbc_command(timeLimit=opts.time_limit_s))
     bound = pulp.value(m.prob.objective) if m.prob.status == pulp.LpStatusOptimal else 0.0
     for v in m.x:
         v.cat = pulp.LpBinary
@@ -451,5 +465,5 @@ def ilp_peak_bytes(cg: CostGraph, cands: list[Candidate], regions: tuple[Region,
     chosen = set(regions)
     for c, v in zip(cands, m.x):
         prob += v == int(c.region in chosen)
-    cbc(prob, pulp.PULP_CBC_CMD(msg=False))
+    cbc(prob, cbc_command())
     return pulp.value(m.B) / _MB

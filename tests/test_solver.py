@@ -343,6 +343,20 @@ def test_reuse_plan_keeps_regions_where_they_fit_and_only_there():
     assert reuse_plan(renamed, plan, 26 * MB) is None           # another graph
 
 
+def test_cbc_runs_serially_unless_more_threads_are_asked_for():
+    """NOTE [ CBC's threads ]: `threads 1` makes CBC's parallel search wait for a worker that may
+    never start, until the time limit; one thread is asked for by leaving the option out. Every
+    CBC command of the planner is made by `cbc_command`."""
+    from remat.planner.solve import cbc_command
+    assert cbc_command().optionsDict.get("threads") is None
+    assert cbc_command(SolveOptions().threads).optionsDict.get("threads") is None
+    assert cbc_command(4).optionsDict["threads"] == 4
+    root = pathlib.Path(__file__).resolve().parents[1]
+    made = [str(f.relative_to(root)) for d in ("planner", "runtime") for f in (root / d).rglob("*.py")
+            if "PULP_CBC_CMD(" in f.read_text()]
+    assert made == ["planner/solve.py"], made
+
+
 def test_the_same_ilp_is_solved_once(monkeypatch):
     """NOTE [ solved once ]: a problem solved before in the process comes back from memory with
     the plan a fresh CBC run gives; any change to what CBC is given (the budget, a warm start, an
