@@ -250,7 +250,20 @@ def builtin(case):
     return get
 
 
-def pytest_collection_modifyitems(items):
+# Module-scoped fixtures that run many subprocesses or a whole job for their module's tests: each
+# xdist worker that runs one of those tests runs the fixture again, so their tests go to one worker
+# (with --dist loadgroup). In CI at 5101df5 both workers ran each of them: 30-110 s each time.
+ONE_WORKER = frozenset({"bad_runs", "slow_runs", "quick_runs", "two_ranks", "dist"})
+
+
+@pytest.hookimpl(wrapper=True)     # around xdist's worker, which appends each group to its node id
+def pytest_collection_modifyitems(config, items):
+    _mark(items)
+    yield
+    _check_groups(config, items)
+
+
+def _mark(items):
     """The Hugging Face lane: every test on an hf-* zoo model is marked `hf` (pytest -m "not hf").
     Tests that take a session-planned model (`zoo_case`, `builtin`) by its name are grouped by it:
     with `-n 2 --dist loadgroup` one worker plans each such model once for all of them (test_zoo,
@@ -262,3 +275,16 @@ def pytest_collection_modifyitems(items):
         fixtures = getattr(item, "fixturenames", ())
         if isinstance(params.get("name"), str) and ("zoo_case" in fixtures or "builtin" in fixtures):
             item.add_marker(pytest.mark.xdist_group(("zoo-" if "zoo_case" in fixtures else "builtin-") + params["name"]))
+        elif shared := [f for f in fixtures if f in ONE_WORKER]:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{shared[0]}"))
+
+
+def _check_groups(config, items):
+    """With --dist loadgroup, a grouped test's node id must end in its group, or the groups are
+    ignored and each worker runs every shared fixture (pytest 9.2 with xdist 3.8: pyproject's pin)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup lost the xdist groups of {len(lost)} tests (e.g. {lost[0]}): "
+                                f"pytest {pytest.__version__} with this pytest-xdist; install pytest<9.2")
