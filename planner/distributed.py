@@ -29,7 +29,13 @@ them. Per rank:
   param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
 The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
 Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
-covers it (NOTE [ liveness ]: H_t is live while t's region recomputes).
+covers it (NOTE [ liveness ]: H_t is live while t's region recomputes). A region of the root's
+own nodes (embedding, final norm, head) recomputes while the root's parameters are gathered: FSDP2
+does not reshard the root after forward (fully_shard's default for the root: its lazy init sets
+no post-forward mesh), and reshards it in the post-backward at the end of backward, so P_root in
+F' covers it too (a root resharded after forward, reshard_after_forward=True passed to it, is
+gathered again by its pre-backward, on its outputs, before any of its nodes runs backward).
+Regions never span two units (costgraph.same_unit), nor the root's nodes and a unit's.
 DDP: every rank holds the whole model; its gradient buckets (the reducer's flat copies of the
 gradients, allocated at construction) are live throughout: F' = F + buckets.
 """
@@ -38,9 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .costgraph import CostGraph, NodeCost
-
-ROOT_WHY = "runs in the FSDP root's own forward (remat rewrites the forward of each fully_shard unit below the root)"
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -190,7 +193,5 @@ def _node(c: NodeCost, unit: str, fwd: int, bwd: int, u: Unit | None) -> NodeCos
     """Node c as a rank runs it in `unit` (u; None: the root, whose gradients are reduced at the
     end of backward, so they stay whole until then)."""
     scale = (u.grad_shard_bytes / u.grad_bytes) if u is not None and u.grad_bytes else 1.0
-    why = c.why_not or ("" if unit else ROOT_WHY)
     return replace(c, unit=unit, fwd_held_bytes=c.fwd_held_bytes + fwd, bwd_held_bytes=c.bwd_held_bytes + bwd,
-                   param_grad_bytes=round(c.param_grad_bytes * scale), recomputable=c.recomputable and not why,
-                   why_not=why)
+                   param_grad_bytes=round(c.param_grad_bytes * scale))

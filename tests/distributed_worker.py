@@ -4,23 +4,27 @@ trains the plain model on the global batch as the oracle. Run by tests/test_dist
     python tests/distributed_worker.py CONFIG[,CONFIG...] PORT OUT.json
 
 Every CONFIG runs in turn in one pair of ranks (one process group: a launch costs more than a
-configuration's steps), each on a fresh model and optimizer. CONFIG: "fsdp" (fully_shard per block then root, AdamW), "fsdp-keep" (reshard_after_forward=False,
-no optimizer), "ddp" (AdamW), "fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against
-FSDP2 without remat), "infeasible" (FSDP2 and a budget no plan fits), "llama" or "gpt2" (a tiny
-Hugging Face causal LM, its decoder layers sharded) or "gpt" (issue 23's held-out
-GPT: vocab 2048, cross-entropy, FSDP2 with default resharding, no optimizer, the budget halfway
-between the measured peaks of FSDP2 with and without per-block checkpointing). Writes, per CONFIG, per rank: the plan's budget, prediction and
-regions, the measured peak of the third step (allocator events; DDP adds its reducer's buckets,
-allocated before the step), whether units were resharded after forward; and the largest gradient
-and parameter differences from the oracle. OUT.json maps each CONFIG to {"ranks": [...], "diff":
-{...}}, or to {"error": the traceback} for a configuration that raised on a rank (the job stops
-there: the later configurations are missing); the exit status is 0 when every one ran.
+configuration's steps), each on a fresh model and optimizer. CONFIG: "fsdp" (fully_shard per
+block then root, AdamW), "fsdp-keep" (reshard_after_forward=False, no optimizer), "ddp" (AdamW),
+"fsdp-bf16" (MixedPrecisionPolicy with bf16 parameters, against FSDP2 without remat),
+"infeasible" (FSDP2 and a budget no plan fits), "gpt" (issue 23's held-out GPT: vocab 2048,
+cross-entropy, FSDP2 with default resharding, no optimizer, the budget halfway between the
+measured peaks of FSDP2 with and without per-block checkpointing), "llama", "gpt2" or "gpt2-ddp"
+(a tiny Hugging Face causal LM under FSDP2, its decoder layers sharded, or DDP; AdamW;
+HF_RUNS). Writes, per CONFIG, per rank: the plan's budget, prediction and regions, the measured
+peak of the third step (of every step for the Hugging Face models; allocator events; DDP adds
+its reducer's buckets, allocated before the step), whether units were resharded after forward,
+the seconds the configuration took; and the largest gradient and parameter differences from the
+oracle. OUT.json maps each CONFIG to {"ranks": [...], "diff": {...}}, or to {"error": the
+traceback} for a configuration that raised on a rank (the job stops there: the later
+configurations are missing); the exit status is 0 when every one ran.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -31,6 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from remat.runtime import plan_and_wrap                         # noqa: E402
+from remat.runtime.distributed import region_count              # noqa: E402
 from remat.runtime.measure.peak import allocator_peak           # noqa: E402
 
 WORLD, BATCH, SEQ = 2, 8, 256
@@ -117,20 +122,26 @@ def batch() -> torch.Tensor:
 
 
 def hf_llama() -> nn.Module:
-    """A tiny Hugging Face LlamaForCausalLM from a config (4 decoder layers, d=128, vocab 512)."""
+    """A tiny Hugging Face LlamaForCausalLM from a config (4 decoder layers, d=128, vocab 4096:
+    its logits and their cross-entropy hold the floor)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=HF_VOCAB["llama"], hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                        max_position_embeddings=256))
 
 
 def hf_gpt2() -> nn.Module:
     """A tiny Hugging Face GPT2LMHeadModel from a config (4 blocks, d=128, vocab 512, no dropout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=128,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=HF_VOCAB["gpt2"], n_embd=128, n_layer=4, n_head=4, n_positions=128,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 HF = {"llama": hf_llama, "gpt2": hf_gpt2}
+HF_VOCAB = {"llama": 4096, "gpt2": 512}
+# config -> (model, engine, budget): the Llama at 60% of its unplanned per-rank peak, or at the
+# floor the planner names when that does not fit
+HF_RUNS = {"llama": ("llama", "fsdp", "60%"), "gpt2": ("gpt2", "fsdp", "85%"), "gpt2-ddp": ("gpt2", "ddp", "85%")}
 
 
 def hf_layers(m: nn.Module) -> nn.ModuleList:
@@ -138,9 +149,9 @@ def hf_layers(m: nn.Module) -> nn.ModuleList:
     return m.model.layers if hasattr(m, "model") else m.transformer.h
 
 
-def hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def hf_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return tuple(torch.randint(0, 512, (GPT_BATCH * WORLD, 64), generator=g) for _ in range(2))
+    return tuple(torch.randint(0, HF_VOCAB[name], (GPT_BATCH * WORLD, 64), generator=g) for _ in range(2))
 
 
 def hf_loss(targets: torch.Tensor):
@@ -192,8 +203,9 @@ def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     for config in configs:
+        t0 = time.perf_counter()
         try:
-            result = run_config(rank, config, out_dir)
+            result = {**run_config(rank, config, out_dir), "seconds": round(time.perf_counter() - t0, 1)}
         except BaseException:
             _write(out_dir, config, rank, {"error": traceback.format_exc()})
             raise                       # mp.spawn ends the other rank: none waits in a collective
@@ -205,7 +217,7 @@ def rank_main(rank: int, configs: list[str], port: int, out_dir: str) -> None:
 def run_config(rank: int, config: str, out_dir: str) -> dict:
     if config == "gpt":
         return _held_out(rank, out_dir)
-    if config in HF:
+    if config in HF_RUNS:
         return _hugging_face(rank, out_dir, config)
     m = shard(model(), config)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
@@ -275,22 +287,46 @@ def _held_out(rank: int, out_dir: str) -> dict:
 
 
 def _hugging_face(rank: int, out_dir: str, config: str) -> dict:
-    """A tiny Hugging Face causal LM (HF[config]) under FSDP2 (each decoder layer, then the
-    root), no optimizer, at 85% of its unplanned peak: its decoder layers, which fx cannot
-    trace, rewritten from their exported graphs; the third step's gradients, against one
-    process on the global batch."""
-    idx, targets = (t.chunk(WORLD)[rank] for t in hf_batch())
+    """A tiny Hugging Face causal LM under FSDP2 (each decoder layer, then the root) or DDP
+    (HF_RUNS[config]), AdamW: planned at its budget, or at the floor the planner names when that
+    does not fit; three steps, each one's peak measured; the last gradients and the parameters
+    after it, against one process on the global batch."""
+    from remat.planner.errors import InfeasibleBudgetError
+    name, engine, budget = HF_RUNS[config]
+    idx, targets = (t.chunk(WORLD)[rank] for t in hf_batch(name))
     loss = hf_loss(targets)
-    m = shard(model(config), config)
-    w = plan_and_wrap(m, "85%", example_inputs=(idx,), loss_fn=loss)
-    peak = _peak_of_third_step(m, lambda: loss(w(idx)).backward(), (idx, targets))
-    grads = {n: _full(p.grad) for n, p in m.named_parameters()}          # collectives: on every rank
-    params = {n: _full(p.detach()) for n, p in m.named_parameters()}
+    m = shard(model(name), "ddp" if engine == "ddp" else name)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    floor = None
+    try:
+        w = plan_and_wrap(m, budget, example_inputs=(idx,), loss_fn=loss, optimizer=opt)
+    except InfeasibleBudgetError as e:                     # raised on every rank
+        floor = e.min_feasible_bytes
+        w = plan_and_wrap(m, floor / 1e9, example_inputs=(idx,), loss_fn=loss, optimizer=opt)
+    peaks = []
+    for k in range(STEPS):
+        if k:
+            opt.zero_grad(set_to_none=True)
+        state = [_local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        # DDP rebuilds its buckets in its second step's forward: it frees the first ones (made
+        # before the step: their free has no size in the allocator's events) and allocates new
+        # ones, which the events count
+        rebuilt = getattr(m, "_has_rebuilt_buckets", False)
+        held = [_local(p) for p in m.parameters()] + state
+        peak = allocator_peak(lambda: (loss(w(idx)).backward(), opt.step()), held, idx, targets)
+        if engine == "ddp" and (rebuilt or not m._has_rebuilt_buckets):     # buckets made before the step
+            peak += sum(b.buffer().nbytes for b in m.reducer._get_zeros_like_grad_buckets())
+        peaks.append(peak)
+    grads = {n.removeprefix("module."): _full(p.grad) for n, p in m.named_parameters()}   # collectives
+    params = {n.removeprefix("module."): _full(p.detach()) for n, p in m.named_parameters()}
     if rank == 0:
         torch.save((grads, params), os.path.join(out_dir, f"{config}-rank0.pt"))
-    rewritten = sum(type(layer.__dict__.get("forward")).__name__ == "GraphForward" for layer in hf_layers(m))
-    return {"budget": w.remat.plan.budget_bytes, "predicted": w.remat.plan.predicted_peak_bytes, "measured": peak,
-            "regions": len(w.remat.plan.regions), "rewritten_layers": rewritten}
+    inner = m.module if engine == "ddp" else m
+    plan = w.remat.plan
+    return {"budget": plan.budget_bytes, "predicted": plan.predicted_peak_bytes, "measured": max(peaks),
+            "peaks": peaks, "regions": len(plan.regions), "unplanned": plan.unplanned_peak_bytes, "floor": floor,
+            "rewritten_layers": sum(region_count(layer) > 0 for layer in hf_layers(inner)),
+            "root_regions": region_count(inner)}
 
 
 def _infeasible(m, local) -> dict:
@@ -329,18 +365,15 @@ def oracle(config: str):
         for part, targets in zip(*(t.chunk(WORLD) for t in gpt_batch())):
             (gpt_loss(targets)(m(part)) / WORLD).backward()
         return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
-    if config in HF:
-        m = model(config)
-        for part, targets in zip(*(t.chunk(WORLD) for t in hf_batch())):
-            (hf_loss(targets)(m(part)) / WORLD).backward()
-        return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}
-    m = model()
+    name = HF_RUNS[config][0] if config in HF_RUNS else ""
+    m = model(name)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2) if config != "fsdp-keep" else None
     for k in range(STEPS):
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        for part in batch().chunk(WORLD):                 # the mean over ranks of the local losses
-            (loss_fn(m(part)) / WORLD).backward()
+        parts = zip(*(t.chunk(WORLD) for t in hf_batch(name))) if name else ((p, None) for p in batch().chunk(WORLD))
+        for part, targets in parts:                       # the mean over ranks of the local losses
+            ((hf_loss(targets) if name else loss_fn)(m(part)) / WORLD).backward()
         if opt is not None:
             opt.step()
     return {n: p.grad for n, p in m.named_parameters()}, {n: p.detach() for n, p in m.named_parameters()}

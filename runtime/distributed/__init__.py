@@ -3,10 +3,12 @@
 The step is planned per rank (planner/distributed.py, NOTE [ per-rank memory ]) on one process's
 view: the unsharded model on the local batch, profiled on fake tensors. Regions are rewritten
 *inside* the engine's modules, so its hooks fire as without remat:
-- FSDP2: each fully_shard unit below the root keeps its pre/post-forward hooks (all-gather,
-  reshard, the pre-backward all-gather registered on its outputs); its `forward` runs the unit's
-  own rewritten graph, whose regions recompute during the unit's backward, when FSDP2 has
-  gathered its parameters again. Regions never span two units, nor run in the root's own forward.
+- FSDP2: the whole graph is split at the fully_shard units (units.py, NOTE [ the root's graph ]):
+  the root's `forward` runs the root's part, which calls each unit (its pre/post-forward hooks,
+  all-gather, reshard, the pre-backward all-gather registered on its outputs, run as ever), whose
+  `forward` runs its span of the graph; a region recomputes in the part it lies in, during its
+  backward, when FSDP2 has that unit's (or the root's) parameters gathered. Regions never span
+  two units.
 - DDP: `module.forward` runs the rewritten graph; DDP's forward and its reducer are untouched.
 Every rank runs the same plan: it is solved on rank 0 and broadcast.
 
@@ -17,8 +19,8 @@ planned from one process).
 from .fsdp import engine, fsdp_sharding, plain_copy, unit_sizes
 from .job import blocks_of, fake_world, per_rank_analysis, shard_per_block
 from .plan import DistributedRemat, plan_step, wrap, wrap_model
-from .units import GraphForward, KeywordForward, local_regions, unit_calls
+from .units import GraphForward, SpanForward, install, region_count, split
 
-__all__ = ["DistributedRemat", "GraphForward", "KeywordForward", "blocks_of", "engine", "fake_world", "fsdp_sharding",
-           "local_regions", "per_rank_analysis", "plain_copy", "plan_step", "shard_per_block", "unit_calls",
+__all__ = ["DistributedRemat", "GraphForward", "SpanForward", "blocks_of", "engine", "fake_world", "fsdp_sharding",
+           "install", "per_rank_analysis", "plain_copy", "plan_step", "region_count", "shard_per_block", "split",
            "unit_sizes", "wrap", "wrap_model"]

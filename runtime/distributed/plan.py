@@ -6,7 +6,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from remat.planner import PlanOptions, solve_plan
 from remat.planner.api import analyze_for
@@ -14,12 +13,11 @@ from remat.planner.budget import Budget
 from remat.planner.distributed import Sharding, per_rank
 from remat.planner.errors import InfeasibleBudgetError
 from remat.planner.fit import unplanned_peak_bytes
-from remat.planner.profile import compute_nodes
 from remat.planner.result import Plan
 
 from ..rewrite import REGION_PROBE, rewrite
 from .fsdp import _world, engine, fsdp_sharding, log, plain_copy
-from .units import GraphForward, KeywordForward, _install, _unit_forward, unit_calls
+from .units import GraphForward, SpanForward, _install, install
 
 # ---- the plan ------------------------------------------------------------------------------
 
@@ -78,8 +76,8 @@ def _plain_optimizer(optimizer, model, plain):
 
 class DistributedRemat:
     """remat's state on a model sharded with fully_shard, or a DDP wrapper, as `model.remat`: the
-    plan (per rank) and its cost graph. The regions live inside the units' forwards (GraphForward),
-    so the model itself, with its hooks, runs them."""
+    plan (per rank) and its cost graph. The regions live inside the root's and the units' forwards
+    (GraphForward, SpanForward), so the model itself, with its hooks, runs them."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, cost_graph):
         self.model, self.plan, self.cost_graph = model, plan, cost_graph
@@ -93,7 +91,7 @@ class DistributedRemat:
 
 def _uninstall(model: torch.nn.Module) -> None:
     for m in model.modules():                 # a model wrapped before is planned as it is without remat
-        if isinstance(m.__dict__.get("forward"), (GraphForward, KeywordForward)):
+        if isinstance(m.__dict__.get("forward"), (GraphForward, SpanForward)):
             del m.__dict__["forward"]
 
 
@@ -101,27 +99,17 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
          options: PlanOptions, optimizer=None) -> torch.nn.Module:
     """plan_and_wrap for FSDP2 and DDP models (runtime.api delegates here)."""
     _uninstall(model)
-    cg, plain, a = plan_step(model, args, kwargs, loss_fn, options, optimizer)
+    cg, _, a = plan_step(model, args, kwargs, loss_fn, options, optimizer)
     plan = Plan.from_json(_agreed(lambda: _solve(cg, budget, options, a.traced.opaque)).to_json())
     plan.meta["units"] = [c.unit for c in cg.nodes]
-    flat = compute_nodes(a.traced.gm)
     if engine(model) == "ddp":
         if plan.regions:
             inner = model.module
             names = tuple(c.name for c in cg.nodes)
             _install(inner, rewrite(inner, a.traced.gm, plan.regions, names, plan.meta), a.traced)
-    else:
-        plains = dict(plain.named_modules())
-        units = [(name, unit) for name, unit in model.named_modules() if isinstance(unit, FSDPModule) and name]
-        if a.traced.path == "torch.export":         # NOTE [ a unit's capture ]
-            calls = unit_calls(model, args, {**(a.traced.extra_kwargs or {}), **kwargs})
-            if a.traced.extra_kwargs:
-                object.__setattr__(model, "forward", KeywordForward(model, a.traced.extra_kwargs))
-            n = sum(_unit_forward(name, unit, plains[name], plan, flat, calls[name]) for name, unit in units
-                    if name in calls)
-        else:
-            n = sum(_unit_forward(name, unit, plains[name], plan, flat, None) for name, unit in units)
-        assert n == len(plan.regions), "a region runs outside the fully_shard units"
+    elif plan.regions:                                  # NOTE [ the root's graph ]
+        n = install(model, a.traced.gm, a.traced, plan, plan.meta["units"])
+        assert n == len(plan.regions), "a region was lost splitting the graph at its units"
     log.info("%s (%s, %d ranks): %d regions, predicted %.3f GB per rank", type(model).__name__, engine(model),
              _world(), len(plan.regions), plan.predicted_peak_bytes / 1e9)
     model.__dict__["remat"] = DistributedRemat(model, plan, cg)

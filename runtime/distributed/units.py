@@ -1,59 +1,116 @@
-"""The graph a fully_shard unit (or DDP's module) runs: the unit's own capture, its share of the
-plan's regions, and the forward that runs its rewritten graph inside FSDP2's hooks."""
+"""The graphs an FSDP2 model runs: the whole graph split at its fully_shard units (NOTE [ the
+root's graph ]), each part with its share of the plan's regions, set as the forward of the module
+that runs it, inside FSDP2's hooks (DDP's module runs the whole graph the same way).
+
+NOTE [ the root's graph ]
+The whole model is captured once (fx, or torch.export for Hugging Face models) on the plain
+copy, and each node runs in one fully_shard unit (NodeCost.unit; "" the root), a unit's nodes one
+contiguous span. `split` cuts that graph: each unit's span becomes a graph of its own (its inputs
+the values it reads from outside, its outputs the values read after it; the parameters it reads
+read inside, where FSDP2 has them unsharded), and the root's graph is the rest, each span
+replaced by a call of the unit module itself (`unit(*inputs, remat_span=True)`, returning the
+outputs as a tuple), so that FSDP2's pre- and post-forward hooks, and the pre-backward hooks it
+puts on the outputs, run around it. The root's forward runs the root's graph, each unit's
+forward its span's (`SpanForward`); a region of the plan becomes a region of the graph it lies
+in (regions never span two units, the planner's `same_unit`), so a unit's region recomputes in
+its backward, when FSDP2 has gathered its parameters again, and a root region (embedding, final
+norm, head) while the root's are gathered (FSDP2 keeps the root's through backward). Every graph
+is built against the sharded model itself (`rewrite` adopts its modules): a parameter is read
+where and when the graph reads it, the unsharded one during forward and backward. The nodes a
+part runs are the whole graph's, in the whole graph's order: what was profiled is what runs.
+In eval mode or under no_grad every module runs its own forward.
+"""
 from __future__ import annotations
 
-import inspect
+import functools
+import operator
 import types
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+import torch.fx as fx
 
-from remat.planner.errors import PlanMismatchError
 from remat.planner.profile import compute_nodes
 from remat.planner.result import Plan, Region
-from remat.planner.trace import OUTPUT, Traced, export, trace
+from remat.planner.trace import Traced
 
-from ..rewrite import rewrite, view_replay
+from ..rewrite import regions_of, rewrite, view_replay
 
-# ---- the graph a unit runs ------------------------------------------------------------------
+SPAN = "remat_span"       # the keyword the root's graph calls a unit's span with
 
-def _placeholders(module: torch.nn.Module) -> tuple[tuple, dict]:
-    """Stand-in arguments for `module.forward`'s required parameters: fx traces them symbolically."""
-    args, kwargs = [], {}
-    for p in inspect.signature(type(module).forward.__get__(module)).parameters.values():
-        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+
+def _span_graph(body: list[fx.Node]) -> tuple[fx.Graph, list[fx.Node], list[fx.Node]]:
+    """The graph of a unit's `body`: its inputs (values made outside it; attributes are read
+    inside) and its outputs (values read outside it)."""
+    inside = set(body)
+    outside = dict.fromkeys(a for n in body for a in n.all_input_nodes if a not in inside)
+    inputs = [a for a in outside if a.op != "get_attr"]
+    g = fx.Graph()
+    env = {a: g.placeholder(a.name) for a in inputs}
+    env.update({a: g.get_attr(a.target) for a in outside if a.op == "get_attr"})
+    for n in body:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    outputs = [n for n in body if any(u not in inside for u in n.users)]
+    g.output(tuple(env[n] for n in outputs))
+    return g, inputs, outputs
+
+
+def _module(graph: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module, name: str) -> fx.GraphModule:
+    """`graph` as a GraphModule whose modules and attributes are `model`'s (its sharded modules
+    themselves), or `gm`'s where `model` has none (the capture's own: export's output rebuilder,
+    its lifted constants)."""
+    def find(target: str):
+        try:
+            return functools.reduce(getattr, target.split("."), model)
+        except AttributeError:
+            return functools.reduce(getattr, target.split("."), gm)
+    own = {n.target: find(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    return fx.GraphModule(own, graph, name)
+
+
+def split(gm: fx.GraphModule, units: list[str], model: torch.nn.Module) -> tuple[fx.GraphModule, dict]:
+    """`gm` (captured from a plain copy of `model`) cut at its units (NOTE [ the root's graph ]):
+    the root's graph and each unit's span, both reading `model`'s modules. `units`: the unit
+    running each compute node of `gm` ("" the root), a unit's nodes contiguous."""
+    nodes = compute_nodes(gm)
+    where = dict(zip(nodes, units))
+    spans: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        if where[n]:
+            spans.setdefault(where[n], []).append(n)
+    root, env, parts = fx.Graph(), {}, {}
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:                    # attributes where the root reads them
+            assert a.op == "get_attr", f"{a.name} is read before it is made"
+            env[a] = root.get_attr(a.target)
+        return env[a]
+    for n in gm.graph.nodes:
+        u = where.get(n, "")
+        if n.op == "get_attr" or (u and n is not spans[u][0]):
             continue
-        (kwargs.__setitem__(p.name, None) if p.kind == p.KEYWORD_ONLY else args.append(None))
-    return tuple(args), kwargs
+        if u:
+            sub, inputs, outputs = _span_graph(spans[u])
+            parts[u] = _module(sub, gm, model, f"Span_{u.replace('.', '_')}")
+            k = len(parts)
+            call = root.create_node("call_module", u, tuple(arg(a) for a in inputs), {SPAN: True},
+                                    name=f"remat_unit_{k}")
+            for j, o in enumerate(outputs):
+                env[o] = root.create_node("call_function", operator.getitem, (call, j), name=f"remat_unit_{k}_{j}")
+            continue
+        env[n] = root.node_copy(n, arg)
+    return _module(root, gm, model, type(gm).__name__), parts
 
 
-def _same_op(flat, local, prefix: str) -> bool:
-    if flat.op != local.op:
-        return False
-    return flat.target == (f"{prefix}.{local.target}" if flat.op == "call_module" else local.target)
-
-
-# an exported graph's own bookkeeping: its input guards, and the module rebuilding its output
-_EXPORT_ONLY = ("_guards_fn", OUTPUT)
-
-
-def local_regions(plan: Plan, flat_nodes: list, name: str, local: Traced) -> tuple[Region, ...]:
-    """The plan's regions inside unit `name`, as node indices of the unit's own graph. Raises
-    PlanMismatchError when the unit's graph is not the part of the whole graph it runs."""
-    units = plan.meta.get("units", [])
-    mine = [i for i, u in enumerate(units) if u == name]
-    nodes = compute_nodes(local.gm)
-    own = [k for k, n in enumerate(nodes) if not (local.path == "torch.export" and n.op == "call_module"
-                                                  and n.target in _EXPORT_ONLY)]
-    if len(mine) != len(own) or not all(_same_op(flat_nodes[i], nodes[k], name) for i, k in zip(mine, own)):
-        raise PlanMismatchError(f"unit {name!r} captured alone ({len(own)} nodes) is not what it runs inside the "
-                                f"model ({len(mine)} nodes): does its forward depend on optional arguments?")
-    pos = dict(zip(mine, own))
+def _local(plan: Plan, gm: fx.GraphModule, flat_names: list[str]) -> tuple[tuple[Region, ...], tuple[str, ...]]:
+    """The plan's regions whose nodes `gm` runs, as indices of its own nodes; its node names."""
+    names = tuple(n.name for n in compute_nodes(gm))
+    pos = {name: k for k, name in enumerate(names)}
     out = []
     for r in plan.regions:
-        if units[r.start] == name:
-            out.append(Region(pos[r.start], pos[r.end], tuple(pos[j] for j in r.saved)))
-    return tuple(out)
+        if flat_names[r.start] in pos:
+            out.append(Region(pos[flat_names[r.start]], pos[flat_names[r.end]],
+                              tuple(pos[flat_names[j]] for j in r.saved)))
+    return tuple(out), names
 
 
 class GraphForward:
@@ -62,87 +119,69 @@ class GraphForward:
 
     def __init__(self, module: torch.nn.Module, gm: torch.fx.GraphModule, traced: Traced):
         self.module, self.gm, self.traced = module, gm, traced
-        self.own = types.SimpleNamespace(forward=type(module).forward.__get__(module))   # its signature binds the inputs
-        self.params = _param_attrs(gm)
+        self.own = types.SimpleNamespace(forward=type(module).forward.__get__(module))   # binds the inputs
 
     def __call__(self, *args, **kwargs):
         m = self.module
         if not (m.training and torch.is_grad_enabled()):
             return type(m).forward(m, *args, **kwargs)
-        for owner, leaf in self.params:         # FSDP2 swaps in the unsharded ones on the modules
-            self.gm.get_submodule(owner)._parameters[leaf] = m.get_submodule(owner)._parameters[leaf]
+        _rebind(self.gm, m)
         with view_replay():
             return self.gm(**self.traced.inputs(self.own, args, kwargs))
 
 
-class KeywordForward:
-    """The root's own `forward`, set on the instance, called in training with the keyword inputs
-    the whole model was captured with (`Traced.extra_kwargs`: use_cache=False, as Hugging Face
-    calls itself under gradient checkpointing), so its units get the arguments they were
-    exported with; otherwise as it is."""
+class SpanForward:
+    """A fully_shard unit's `forward`, set on the instance: called by the root's graph with its
+    span's inputs (`remat_span=True`), it runs its span's rewritten graph; otherwise its own."""
 
-    def __init__(self, module: torch.nn.Module, extra: dict):
-        self.module, self.extra = module, extra
+    def __init__(self, module: torch.nn.Module, gm: torch.fx.GraphModule, root: torch.nn.Module):
+        self.module, self.gm, self.root = module, gm, root
 
     def __call__(self, *args, **kwargs):
-        m = self.module
-        if m.training and torch.is_grad_enabled():
-            kwargs = {**self.extra, **kwargs}
-        return type(m).forward(m, *args, **kwargs)
+        if not kwargs.pop(SPAN, False):
+            return type(self.module).forward(self.module, *args, **kwargs)
+        _rebind(self.gm, self.root)
+        with view_replay():
+            return self.gm(*args)
 
 
-def _param_attrs(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
-    """(owner module, name) of each parameter the graph reads by attribute: the unit's own (fx),
-    or every one of them (an exported graph reads its submodules' parameters itself)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            owner, _, leaf = n.target.rpartition(".")
-            if leaf in gm.get_submodule(owner)._parameters:
-                out.append((owner, leaf))
-    return out
+def _rebind(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """The graph's own parameters (those `rewrite` registered on its top level: the module's own,
+    adopted when built) are the ones the module has now (FSDP2 swaps in the unsharded ones)."""
+    for name in list(gm._parameters):
+        if name in model._parameters:
+            gm._parameters[name] = model._parameters[name]
+
+
+def install(model: torch.nn.Module, flat: fx.GraphModule, traced: Traced, plan: Plan, units: list[str]) -> int:
+    """The split graph (NOTE [ the root's graph ]) with the plan's regions, set as the forwards
+    of `model` (the FSDP2 root) and its units; returns how many regions they run."""
+    names = [n.name for n in compute_nodes(flat)]
+    assert len(units) == len(names) + 1, "the plan is not of this graph (its nodes and the loss)"
+    root_gm, parts = split(flat, units[:-1], model)
+    meta = plan.meta
+    n = 0
+    for u, part in parts.items():
+        regions, local = _local(plan, part, names)
+        unit = model.get_submodule(u)
+        object.__setattr__(unit, "forward", SpanForward(unit, rewrite(model, part, regions, local, meta), model))
+        n += len(regions)
+    regions, local = _local(plan, root_gm, names)
+    gm = rewrite(model, root_gm, regions, local, meta)
+    object.__setattr__(model, "forward", GraphForward(model, gm, traced))
+    return n + len(regions)
+
+
+def installed(module: torch.nn.Module):
+    """The graph `module` runs as remat set it (GraphForward, SpanForward), else None."""
+    f = module.__dict__.get("forward")
+    return f.gm if isinstance(f, (GraphForward, SpanForward)) else None
+
+
+def region_count(module: torch.nn.Module) -> int:
+    gm = installed(module)
+    return 0 if gm is None else len(regions_of(gm))
 
 
 def _install(module: torch.nn.Module, gm, traced: Traced) -> None:
     object.__setattr__(module, "forward", GraphForward(module, gm, traced))
-
-
-def unit_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[tuple, dict]]:
-    """Each fully_shard unit's (args, kwargs) in one forward of `model` under no_grad (a
-    collective: every rank runs it): the real arguments a unit is exported with."""
-    calls: dict[str, tuple[tuple, dict]] = {}
-
-    def recorder(name: str):
-        def record(module, a, kw):
-            calls.setdefault(name, (a, kw))
-        return record
-    handles = [u.register_forward_pre_hook(recorder(name), with_kwargs=True)
-               for name, u in model.named_modules() if isinstance(u, FSDPModule) and name]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
-
-
-def _unit_forward(name: str, unit: torch.nn.Module, plain: torch.nn.Module, plan: Plan, flat_nodes: list,
-                  call: tuple[tuple, dict] | None) -> int:
-    """Give `unit` the graph of its regions; returns how many it has. NOTE [ a unit's capture ]:
-    a unit is captured as the whole model was: fx traces the unit itself (its graph calls its own
-    submodules, its required arguments symbolic); where the whole model was exported (Hugging
-    Face models: fx follows neither), the plain copy of the unit is exported with the arguments
-    it was called with (`call`), its nodes the whole graph's ATen ops."""
-    if call is None:
-        args, kwargs = _placeholders(plain)
-        local = trace(unit, args, kwargs)
-    else:
-        local = export(plain, *call)
-    regions = local_regions(plan, flat_nodes, name, local)
-    if regions:
-        names = tuple(n.name for n in compute_nodes(local.gm))
-        meta = {**plan.meta, "mutated_buffers": [b.removeprefix(name + ".") for b in plan.meta.get("mutated_buffers", [])
-                                                 if b.startswith(name + ".")]}
-        _install(unit, rewrite(unit, local.gm, regions, names, meta), local)
-    return len(regions)
