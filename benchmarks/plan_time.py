@@ -12,7 +12,7 @@ first (not timed). Columns: graph nodes; seconds of capture, capture check, fake
 many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
 estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
 is the same call again with the plan cache on (a second run of the same script). Each budget's
-row is a cold plan (no ILP solved before in the process: planner.solve NOTE [ solved once ]);
+row is a cold plan (no ILP solved before in the process: planner/cbc.py NOTE [ solved once ]);
 the row "0.5 after 0.25" re-plans at u = 0.5 after a plan at u = 0.25 in the same process (the
 segment ILPs the two share are solved once). Timings are of
 this machine as it was: run it alone, on a quiet machine. Nothing here is a test.
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from remat.planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
-from remat.planner.solve import SOLVED  # noqa: E402
+from remat.planner.cbc import SOLVED  # noqa: E402
 from remat.runtime import plan_and_wrap  # noqa: E402
 from remat.runtime.examples import EXAMPLES  # noqa: E402
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from . import cachedir
 from .compat import tree_map
 
 from .errors import RematError
@@ -113,9 +114,9 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_path(device: torch.device) -> Path:
-    """The JSON file of timings for this device and torch version: under $REMAT_CACHE_DIR, else
-    ~/.cache/remat."""
-    root = Path(os.environ.get("REMAT_CACHE_DIR") or Path.home() / ".cache" / "remat")
+    """The JSON file of timings for this device and torch version, in remat's cache directory
+    (planner/cachedir.py)."""
+    root = cachedir.root()
     name = "".join(c if c.isalnum() else "-" for c in f"{device_name(device)}-torch{torch.__version__}")
     return root / f"costs-{name}.json"
 

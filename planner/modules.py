@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pulp
 import torch
 
-from .solve import cbc, cbc_command
+from .cbc import cbc, cbc_command
 from .state import step_preserved
 from .step import run_step, tensors, training_loss
 from .storage import LiveBytes, unlinked

@@ -40,18 +40,14 @@ simulator), which also reaches regions a large graph's candidate set leaves out.
 """
 from __future__ import annotations
 
-import hashlib
-import math
-import threading
 import time
-from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import pulp
 
 from .baselines import known_plans
+from .cbc import cbc, cbc_command
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .improve import Search, improve, search
@@ -269,91 +265,6 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
     return Model(prob, x, y, B, cost)
 
 
-# NOTE [ solved once ]
-# CBC with one thread and a node limit is a function of what it is given: the problem, the start
-# solution and its options. A process solves the same problem again and again (a hierarchical
-# solve's segment fronts at every budget, the budget correction's rounds, each test's plan of a
-# model another test planned): `cbc` keeps each solve's result under the hash of exactly that input
-# (`problem_key`) and hands it back when it comes again, so no ILP is solved twice. A result CBC
-# reached at its time limit is kept too: the same input then gets the same plan in this process,
-# whatever the machine's load at the second call. `SOLVED` holds the last MEMO_ENTRIES results,
-# each the statuses and the variables' values in `prob.variables()` order (the key holds that
-# order; NaN for no value): 8 bytes a variable, at most ~40 MB for the largest flat ILPs.
-MEMO_ENTRIES = 1024
-SOLVED: OrderedDict[str, tuple[int, int, array]] = OrderedDict()
-_memo_lock = threading.Lock()
-
-
-def problem_key(prob, solver) -> str:
-    """The hash of what CBC is given: objective, constraints, variables (bounds, kinds and, for a
-    warm start, the start values), in the order they are written, and the solver's options."""
-    warm = bool(solver.optionsDict.get("warmStart", False))
-    h = hashlib.sha256(repr((type(solver).__name__, prob.sense, solver.timeLimit, solver.mip,
-                             sorted(solver.optionsDict.items()), list(solver.options))).encode())
-
-    def terms(e) -> None:                      # names, then coefficients as packed doubles (fast)
-        h.update("\0".join([v.name for v in e]).encode())
-        h.update(array("d", e.values()).tobytes())
-    if prob.objective is not None:
-        terms(prob.objective)
-    for name, c in prob.constraints.items():
-        h.update(f"|{name} {c.sense} {c.constant!r}|".encode())
-        terms(c)
-    vs = prob.variables()
-    h.update("\0".join([v.name for v in vs]).encode())
-    h.update(repr([(v.lowBound, v.upBound, v.cat) for v in vs]).encode())
-    if warm:
-        h.update(repr([v.varValue for v in vs]).encode())
-    return h.hexdigest()
-
-
-CBC_ATTEMPTS = 4
-
-
-def cbc(prob, solver) -> None:
-    """`prob.solve(solver)`, or its result if this process solved the same input before (NOTE
-    [ solved once ]); again if CBC's process failed (PulpSolverError: it exited with an error,
-    seen on a machine loaded past its cores, twice in a row at a load of 7 on 2 cores), up to
-    CBC_ATTEMPTS runs in all; the last failure is raised."""
-    key = problem_key(prob, solver)
-    with _memo_lock:
-        got = SOLVED.get(key)
-        if got is not None:
-            SOLVED.move_to_end(key)
-    if got is not None:
-        status, sol_status, values = got
-        for v, x in zip(prob.variables(), values, strict=True):
-            v.varValue = None if math.isnan(x) else x
-        prob.assignStatus(status, sol_status)
-        return
-    for attempt in range(CBC_ATTEMPTS):
-        try:
-            prob.solve(solver)
-            break
-        except pulp.PulpSolverError:
-            if attempt == CBC_ATTEMPTS - 1:
-                raise
-    with _memo_lock:
-        SOLVED[key] = (prob.status, prob.sol_status,
-                       array("d", [math.nan if v.varValue is None else v.varValue for v in prob.variables()]))
-        while len(SOLVED) > MEMO_ENTRIES:
-            SOLVED.popitem(last=False)
-
-
-def cbc_command(threads: int = 1, **kw) -> pulp.PULP_CBC_CMD:
-    """CBC as every solve runs it (NOTE [ CBC's threads ])."""
-    return pulp.PULP_CBC_CMD(msg=False, threads=threads if threads > 1 else None, **kw)
-
-
-# NOTE [ CBC's threads ]
-# CBC given `threads 1` runs its parallel branch and bound with one worker thread, and that
-# worker sometimes never starts: CBC waits, using no CPU, until its time limit (its log says
-# "Thread 0 used 0 times, waiting to start 10.0"), then stops "on time limit" with its first
-# incumbent. On this project's CBC (PuLP's bundled 2.10) a 23-variable segment ILP of the
-# built-in gpt2 hung in 8 of 60 runs with `threads 1` and in none of 60 without; a plan of
-# gpt2 spent 20 of its 22 s in two such waits, and the plan it got depended on which solves
-# hung. Without the option CBC's search is serial, as deterministic as one thread, so one
-# thread is asked for by leaving `threads` out.
 def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None):
     nodes = opts.max_nodes if max_nodes is None else max_nodes
     solver = cbc_command(opts.threads, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,

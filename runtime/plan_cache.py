@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from remat.planner import cachedir
 from remat.planner.result import Plan
 
 log = logging.getLogger("remat.cache")
@@ -38,14 +39,11 @@ FORMAT = 1      # the entry layout; an entry of another format is stale
 
 
 def enabled(options) -> bool:
-    return getattr(options, "cache", True) and os.environ.get("REMAT_CACHE", "1").lower() not in ("0", "off", "false", "")
+    return getattr(options, "cache", True) and cachedir.on()
 
 
 def directory() -> Path:
-    if os.environ.get("REMAT_CACHE_DIR"):
-        return Path(os.environ["REMAT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "remat"
+    return cachedir.root()
 
 
 @functools.lru_cache(maxsize=None)

@@ -287,7 +287,8 @@ def test_sac_off_binds_every_plan(case):
 
 
 PURE_CORE = ("costgraph", "simulate", "candidates", "baselines", "improve", "solve", "fit", "result", "budget",
-             "units", "rates", "options", "errors", "hierarchy", "blocks", "segment", "chain", "distributed", "lazy")
+             "units", "rates", "options", "errors", "hierarchy", "blocks", "segment", "chain", "distributed", "lazy",
+             "cbc", "cachedir")
 
 
 def test_the_pure_core_imports_without_torch():
@@ -304,6 +305,48 @@ def test_the_pure_core_imports_without_torch():
     r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import remat.planner.api"],
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode != 0 and "torch" in r.stderr          # the check can fail: the torch side needs torch
+
+
+def test_solved_ilps_are_kept_on_disk_and_a_bad_file_is_solved_anew(monkeypatch, tmp_path, caplog):
+    """NOTE [ solved once ], the disk store: a later process (here: the memory cleared) gets the
+    result from disk without running CBC, the same plan; a file that is corrupt or does not fit the
+    problem is logged, solved anew and rewritten; a result reached at CBC's time limit is not
+    written; REMAT_CACHE=0 turns the store off."""
+    import remat.planner.cbc as ilp
+    monkeypatch.setenv("REMAT_SOLVE_CACHE", "1")
+    monkeypatch.setenv("REMAT_SOLVE_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = pulp.LpProblem.solve
+    monkeypatch.setattr(pulp.LpProblem, "solve", lambda prob, solver=None: (runs.append(1), real(prob, solver))[1])
+    cg = chain(6, [8, 1, 8, 1, 6, 2], [1, 1, 1000, 1, 5, 1])
+    opts = SolveOptions(max_span=6, improve_evals=0)
+    ilp.SOLVED.clear()
+    first = solve_ilp(cg, 24 * MB, opts)
+    files = sorted(tmp_path.glob("*/*.cbc"))
+    assert first is not None and runs and len(files) == len(runs)
+    n = len(runs)
+    ilp.SOLVED.clear()
+    assert solve_ilp(cg, 24 * MB, opts).regions == first.regions and len(runs) == n
+    for bad in (b"not zlib", __import__("zlib").compress(b"[1, 1]\n" + b"\0" * 8)):   # garbage; one value
+        for f in files:
+            f.write_bytes(bad)
+        ilp.SOLVED.clear()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="remat.cache"):
+            again = solve_ilp(cg, 24 * MB, opts)
+        assert again.regions == first.regions and len(runs) == n + len(files), bad
+        assert "solving anew" in caplog.text
+        n = len(runs)
+    ilp.SOLVED.clear()
+    assert solve_ilp(cg, 24 * MB, opts).regions == first.regions and len(runs) == n     # rewritten whole
+    ilp.SOLVED.clear()
+    solve_ilp(cg, 25 * MB, dataclasses.replace(opts, time_limit_s=1e-4))   # every solve at its limit
+    assert len(sorted(tmp_path.glob("*/*.cbc"))) == len(files)
+    monkeypatch.setenv("REMAT_CACHE", "0")
+    monkeypatch.delenv("REMAT_SOLVE_CACHE")
+    ilp.SOLVED.clear()
+    solve_ilp(cg, 24 * MB, opts)
+    assert len(runs) > n
 
 
 def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatch):
@@ -347,21 +390,22 @@ def test_cbc_runs_serially_unless_more_threads_are_asked_for():
     """NOTE [ CBC's threads ]: `threads 1` makes CBC's parallel search wait for a worker that may
     never start, until the time limit; one thread is asked for by leaving the option out. Every
     CBC command of the planner is made by `cbc_command`."""
-    from remat.planner.solve import cbc_command
+    from remat.planner.cbc import cbc_command
     assert cbc_command().optionsDict.get("threads") is None
     assert cbc_command(SolveOptions().threads).optionsDict.get("threads") is None
     assert cbc_command(4).optionsDict["threads"] == 4
     root = pathlib.Path(__file__).resolve().parents[1]
     made = [str(f.relative_to(root)) for d in ("planner", "runtime") for f in (root / d).rglob("*.py")
             if "PULP_CBC_CMD(" in f.read_text()]
-    assert made == ["planner/solve.py"], made
+    assert made == ["planner/cbc.py"], made
 
 
 def test_the_same_ilp_is_solved_once(monkeypatch):
     """NOTE [ solved once ]: a problem solved before in the process comes back from memory with
     the plan a fresh CBC run gives; any change to what CBC is given (the budget, a warm start, an
     option) is solved anew."""
-    import remat.planner.solve as ilp
+    import remat.planner.cbc as ilp
+    monkeypatch.setenv("REMAT_SOLVE_CACHE", "0")           # the memory alone (the disk: the next test)
     runs = []
     real = pulp.LpProblem.solve
     monkeypatch.setattr(pulp.LpProblem, "solve", lambda prob, solver=None: (runs.append(1), real(prob, solver))[1])
