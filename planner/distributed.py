@@ -11,22 +11,25 @@ S_U this rank's shard of them as stored, g_U its gradients unsharded, s_U this r
 them. Per rank:
   F'         = F - sum_U P_U + sum_U S_U + P_root: sharded parameters live throughout; the root
                unit's are all-gathered once and held for the step (FSDP2 does not reshard the
-               root after forward); its all-gather's buffer (P_root) at node 0's
-               forward, its reduce-scatter's (g_root + s_root) at node 0's backward, the last,
+               root after forward); its all-gather's buffer (P_root) at node 0's forward, its
+               reduce-scatter's input (g_root) at node 0's backward, the last,
   held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
-               buffer (P_U, freed once copied out; its input S_U is a view of it), plus P_V of every unit V whose forward
-               ran before t and that is not resharded after forward, plus the flat output of the
-               latest all-gather (FSDP2 keeps it until it issues the next one, or until the
-               root's post-forward: not while the loss, node n-1, runs),
+               buffer (P_U, freed once copied out; its input S_U is a view of it), plus P_V of
+               every unit V whose forward ran before t and that is not resharded after forward,
+               plus the flat output of the latest all-gather (FSDP2 keeps it until it issues the
+               next one, or until the root's post-forward: not while the loss, node n-1, runs),
   held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
                unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
-               the reduce-scatter's buffers (g_U + s_U), the input of the previous unit's
-               reduce-scatter (kept by FSDP2 until it issues the next), plus P_V of the units not
-               resharded after forward whose backward has not run yet, plus the latest
-               all-gather's flat output: none in the loss's backward, the first unit's (which
-               the root's pre-backward prefetches) in the root's last nodes' (within a unit it
-               is the prefetched P_U', counted once),
-  param grad = node i's parameter gradient enters as its shard (x s_U / g_U), live to the end.
+               its input (g_U: FSDP2 copies the gradients in, frees them, then allocates the
+               output, the shards s_U, so the reduce-scatter holds max(2 g_U, g_U + s_U) = 2 g_U),
+               the input of the latest reduce-scatter issued before (kept by FSDP2 until it
+               issues the next: the unit after U's within U, the unit after t's root nodes in
+               theirs), plus P_V of the units not resharded after forward whose backward has
+               not run yet, plus the latest all-gather's flat output: none in the loss's
+               backward, the first unit's (which the root's pre-backward prefetches) in the
+               root's last nodes' (within a unit it is the prefetched P_U', counted once),
+  param grad = U's gradient shards (x s_U / g_U) enter at lo_U, its reduce-scatter's output, live
+               to the end; the root's stay whole until its reduce-scatter, the last.
 The optimizer's state and step temporaries were measured on unsharded parameters: x S/P.
 Recompute inside U runs during U's backward, when U's parameters are gathered again: held bwd
 covers it (NOTE [ liveness ]: H_t is live while t's region recomputes). A region of the root's
@@ -89,7 +92,11 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     spans = _spans(where)
     fwd, bwd = _held(len(cg.nodes), spans, units, sharding.backward_prefetch)
     _add_grads(cg, where, spans, units, bwd)
-    nodes = tuple(_node(c, u, f, b, units[u] if u else None) for c, u, f, b in zip(cg.nodes, where, fwd, bwd))
+    nodes = [_node(c, u, f, b, units[u] if u else None) for c, u, f, b in zip(cg.nodes, where, fwd, bwd)]
+    for lo, hi in spans.values():        # a unit's gradient shards appear at its reduce-scatter, after lo's backward
+        shards = sum(c.param_grad_bytes for c in nodes[lo:hi + 1])
+        nodes[lo:hi + 1] = [replace(c, param_grad_bytes=shards if i == lo else 0) for i, c in enumerate(nodes[lo:hi + 1], lo)]
+    nodes = tuple(nodes)
     full = sum(u.unsharded_bytes for u in sharding.units)
     shards = sum(u.shard_bytes for u in sharding.units)
     root = units.get("")
@@ -128,7 +135,7 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
     root = units.get("")
     if root is not None:            # gathered before the first node, reduce-scattered after the last backward
         fwd[0] += root.unsharded_bytes
-        bwd[0] += root.grad_bytes + root.grad_shard_bytes
+        bwd[0] += root.grad_bytes                   # its input: the output is allocated once the grads are freed
     order = sorted(spans, key=lambda u: spans[u][0])
     for k, name in enumerate(order):
         u, (lo, hi) = units[name], spans[name]
@@ -180,13 +187,18 @@ def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: l
         lo, hi = spans[before]
         for t in range(lo, hi + 1):
             bwd[t] += units[after].grad_bytes
+    for k, name in enumerate(order):                   # the root's nodes before U run backward after U's
+        for t in range(spans[order[k - 1]][1] + 1 if k else 0, spans[name][0]):
+            bwd[t] += units[name].grad_bytes
     for name, (lo, hi) in spans.items():
         u = units[name]
         for i in range(lo, hi + 1):
             g = cg.nodes[i].param_grad_bytes
             for t in range(lo, i + 1):
                 bwd[t] += g
-        bwd[lo] += u.grad_bytes + u.grad_shard_bytes            # reduce-scatter input and output
+        # the reduce-scatter's input; its output, the shards (counted from lo: `_node`), is allocated
+        # once the unsharded gradients are freed
+        bwd[lo] += u.grad_bytes - u.grad_shard_bytes
 
 
 def _node(c: NodeCost, unit: str, fwd: int, bwd: int, u: Unit | None) -> NodeCost:

@@ -59,12 +59,14 @@ def test_per_rank_fsdp_by_hand():
     assert [c.fwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 16, 16 + 16, 16 + 16 + 16, 16 + 16, 0]
     # backward (b runs first, a prefetched while it does: a's all-gather output, 16): parameters,
     # at a unit's last node its all-gather's output being copied out (16), its gradients until
-    # the reduce-scatter at its first node (8 + 8 at the first node, 8 at the second), whose
-    # buffers (16 + 8) are there too; while a runs, b's reduce-scatter input (16), kept until
-    # a's reduce-scatter is issued; nothing held during the loss's backward, nor after a's
-    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [0, 16 + 16 + 16 + 24, 16 + 16 + 16 + 8,
-                                                          16 + 16 + 16 + 24, 16 + 16 + 16 + 8, 0]
-    assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 4, 4, 4, 4, 0]    # shards stay
+    # the reduce-scatter at its first node (8 + 8 at the first node, 8 at the second), whose input
+    # is there too (16, less the 8 of shards it makes, counted from there: the gradients are freed
+    # before the output is allocated); while a runs, b's reduce-scatter input (16), kept until a's
+    # reduce-scatter is issued, and a's while the root's first node runs backward; nothing held
+    # during the loss's backward
+    assert [c.bwd_held_bytes // MB for c in cg.nodes] == [16, 16 + 16 + 16 + 8, 16 + 16 + 16 + 8,
+                                                          16 + 16 + 16 + 8, 16 + 16 + 16 + 8, 0]
+    assert [c.param_grad_bytes // MB for c in cg.nodes] == [0, 8, 0, 8, 0, 0]    # shards, at the reduce-scatter
 
 
 def test_the_roots_last_nodes_hold_the_first_backward_units_all_gather():
