@@ -12,7 +12,7 @@ them. Per rank:
   F'         = F - sum_U P_U + sum_U S_U + P_root: sharded parameters live throughout; the root
                unit's are all-gathered once and held for the step (FSDP2 does not reshard the
                root after forward); its all-gather's buffer (P_root) at node 0's forward, its
-               reduce-scatter's input (g_root) at node 0's backward, the last,
+               reduce-scatter's input and output (g_root + s_root) at node 0's backward, the last,
   held fwd t = P_U while t runs in U (its all-gather), plus, at lo_U, the all-gather's own
                buffer (P_U, freed once copied out; its input S_U is a view of it), plus P_V of
                every unit V whose forward ran before t and that is not resharded after forward,
@@ -21,7 +21,7 @@ them. Per rank:
   held bwd t = P_U and the prefetched P_U' of the unit whose backward comes next (t in U), the
                unsharded gradients of U's nodes >= t until U's reduce-scatter at lo_U, and there
                its input (g_U: FSDP2 copies the gradients in, frees them, then allocates the
-               output, the shards s_U, so the reduce-scatter holds max(2 g_U, g_U + s_U) = 2 g_U),
+               output, the shards s_U: the reduce-scatter holds max(2 g_U, g_U + s_U) = 2 g_U),
                the input of the latest reduce-scatter issued before (kept by FSDP2 until it
                issues the next: the unit after U's within U, the unit after t's root nodes in
                theirs), plus P_V of the units not resharded after forward whose backward has
@@ -39,6 +39,12 @@ no post-forward mesh), and reshards it in the post-backward at the end of backwa
 F' covers it too (a root resharded after forward, reshard_after_forward=True passed to it, is
 gathered again by its pre-backward, on its outputs, before any of its nodes runs backward).
 Regions never span two units (costgraph.same_unit), nor the root's nodes and a unit's.
+Staged collectives (Sharding.staged: gloo, on CPU): an all-gather stages through a temporary the
+size of its output and a reduce-scatter through one the size of its input (measured on torch
+2.13.0), so the prefetched unit's all-gather counts twice at the node where it is issued (U's
+last, whose backward starts U's; the root's last node for the first unit of backward), and the
+reduce-scatter holds its input, output and temporary (2 g_U + s_U, the gradients freed). An
+all-gather runs in gloo's thread: on a loaded machine its temporary can outlive that node.
 DDP: every rank holds the whole model; its gradient buckets (the reducer's flat copies of the
 gradients, allocated at construction) are live throughout: F' = F + buckets.
 """
@@ -67,6 +73,7 @@ class Sharding:
     units: tuple[Unit, ...] = ()      # FSDP2: the root ("") and every unit below it
     bucket_bytes: int = 0             # DDP: the reducer's gradient buckets
     backward_prefetch: int = 1        # FSDP2 all-gathers this many units ahead in backward
+    staged: bool = False              # the collectives stage through a temporary of their full size (gloo)
 
 
 def unit_of(module: str, names: tuple[str, ...]) -> str:
@@ -90,8 +97,8 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     names = tuple(units)
     where = [unit_of(c.module, names) for c in cg.nodes[:-1]] + [""]    # the loss runs in the root
     spans = _spans(where)
-    fwd, bwd = _held(len(cg.nodes), spans, units, sharding.backward_prefetch)
-    _add_grads(cg, where, spans, units, bwd)
+    fwd, bwd = _held(len(cg.nodes), spans, units, sharding.backward_prefetch, sharding.staged)
+    _add_grads(cg, where, spans, units, bwd, sharding.staged)
     nodes = [_node(c, u, f, b, units[u] if u else None) for c, u, f, b in zip(cg.nodes, where, fwd, bwd)]
     for lo, hi in spans.values():        # a unit's gradient shards appear at its reduce-scatter, after lo's backward
         shards = sum(c.param_grad_bytes for c in nodes[lo:hi + 1])
@@ -129,13 +136,14 @@ def _spans(where: list[str]) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], list[int]]:
+def _held(n: int, spans: dict, units: dict, prefetch: int, staged: bool) -> tuple[list[int], list[int]]:
     """Unsharded parameters (and the all-gather's buffers) held at each node, forward and backward."""
     fwd, bwd = [0] * n, [0] * n
     root = units.get("")
     if root is not None:            # gathered before the first node, reduce-scattered after the last backward
         fwd[0] += root.unsharded_bytes
-        bwd[0] += root.grad_bytes                   # its input: the output is allocated once the grads are freed
+        # its input and output (the whole gradients are freed before; staged: its temporary)
+        bwd[0] += root.grad_bytes + root.grad_shard_bytes
     order = sorted(spans, key=lambda u: spans[u][0])
     for k, name in enumerate(order):
         u, (lo, hi) = units[name], spans[name]
@@ -149,16 +157,19 @@ def _held(n: int, spans: dict, units: dict, prefetch: int) -> tuple[list[int], l
         for nxt in order[max(0, k - prefetch):k]:              # gathered ahead while U runs backward
             for t in range(lo, hi + 1):
                 bwd[t] += units[nxt].unsharded_bytes
+            if staged:                          # issued as U's backward starts, through its temporary
+                bwd[hi] += units[nxt].unsharded_bytes
         if not u.reshard_after_forward:                        # held from its forward to its backward
             for t in range(hi + 1, n):
                 fwd[t] += u.unsharded_bytes
             for t in range(hi + 1, n):
                 bwd[t] += u.unsharded_bytes
-    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root)
+    _retained(fwd, bwd, [(spans[u], units[u].unsharded_bytes) for u in order], root, staged)
     return fwd, bwd
 
 
-def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None) -> None:
+def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int], int]], root: Unit | None,
+              staged: bool = False) -> None:
     """FSDP2 keeps the flat output of its latest all-gather until it issues the next one (a
     stream may still copy out of it); the root's post-forward frees the last one, before the
     loss (node n-1) runs. Forward: the unit gathered last (the root's before the first unit),
@@ -176,9 +187,11 @@ def _retained(fwd: list[int], bwd: list[int], spans: list[tuple[tuple[int, int],
     if spans:
         for t in range(spans[-1][0][1] + 1, n - 1):
             bwd[t] += spans[-1][1]
+        if staged and spans[-1][0][1] + 1 < n - 1:       # issued as the root's last node's backward starts
+            bwd[n - 2] += spans[-1][1]
 
 
-def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int]) -> None:
+def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: list[int], staged: bool) -> None:
     """Unsharded gradients of a unit, from their node's backward to the unit's reduce-scatter;
     the reduce-scatter's input, which FSDP2 keeps until it issues the next one (the next unit's
     in backward order), through that unit's backward."""
@@ -196,9 +209,9 @@ def _add_grads(cg: CostGraph, where: list[str], spans: dict, units: dict, bwd: l
             g = cg.nodes[i].param_grad_bytes
             for t in range(lo, i + 1):
                 bwd[t] += g
-        # the reduce-scatter's input; its output, the shards (counted from lo: `_node`), is allocated
-        # once the unsharded gradients are freed
-        bwd[lo] += u.grad_bytes - u.grad_shard_bytes
+        # the reduce-scatter's input; its output, the shards (counted from lo: per_rank), is
+        # allocated once the unsharded gradients are freed (staged: then the temporary, g_U)
+        bwd[lo] += u.grad_bytes - (0 if staged else u.grad_shard_bytes)
 
 
 def _node(c: NodeCost, unit: str, fwd: int, bwd: int, u: Unit | None) -> NodeCost:
