@@ -100,9 +100,10 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     fwd, bwd = _held(len(cg.nodes), spans, units, sharding.backward_prefetch, sharding.staged)
     _add_grads(cg, where, spans, units, bwd, sharding.staged)
     nodes = [_node(c, u, f, b, units[u] if u else None) for c, u, f, b in zip(cg.nodes, where, fwd, bwd)]
-    for lo, hi in spans.values():        # a unit's gradient shards appear at its reduce-scatter, after lo's backward
-        shards = sum(c.param_grad_bytes for c in nodes[lo:hi + 1])
-        nodes[lo:hi + 1] = [replace(c, param_grad_bytes=shards if i == lo else 0) for i, c in enumerate(nodes[lo:hi + 1], lo)]
+    for lo, hi in spans.values():     # a unit's gradient shards appear at its reduce-scatter, after lo's backward
+        made = sum(c.param_grad_bytes for c in nodes[lo:hi + 1])
+        nodes[lo:hi + 1] = [replace(c, param_grad_bytes=made if i == lo else 0)
+                            for i, c in enumerate(nodes[lo:hi + 1], lo)]
     nodes = tuple(nodes)
     full = sum(u.unsharded_bytes for u in sharding.units)
     shards = sum(u.shard_bytes for u in sharding.units)
