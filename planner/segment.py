@@ -139,12 +139,12 @@ class SegmentILP:
         self.cap = pulp.LpConstraint(self.kept, pulp.LpConstraintLE, "kept_cap", 1e18)
         prob += self.cap
 
-    def _run(self, objective, below: float, nodes: int | None = None, start=None):
+    def _run(self, objective, below: float, nodes: int | None = None, start=None, extra=()):
         self.cap.constant = -below
         self.prob.setObjective(objective)
         if start is not None:                  # a plan known to meet the constraints: CBC's first incumbent
             _ilp.set_start(self.cands, self.x, self.y, start)
-        _, _, sol = _ilp._run(self.prob, self.opts, start is not None, nodes)
+        _, _, sol = _ilp._run(self.prob, self.opts, start is not None, nodes, extra)
         if sol not in _ilp._SOLVED:
             return None
         return _ilp._chosen(self.cands, self.x), pulp.value(self.kept) or 0.0
@@ -170,4 +170,5 @@ class SegmentILP:
         """(plan, K) of least peak in the segment graph keeping at most `below` MB (a short search)."""
         if not self.cands:
             return None
-        return self._run(self.B + _ilp._TIE * self.cost / self.total, below + self.tol, LOW_PEAK_NODES)
+        return self._run(self.B + _ilp._TIE * self.cost / self.total, below + self.tol, LOW_PEAK_NODES,
+                         extra=_ilp.PLAIN_SEARCH)
