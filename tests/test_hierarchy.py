@@ -254,10 +254,11 @@ def test_solve_plan_takes_the_hierarchical_path_on_large_graphs_of_blocks():
 @pytest.mark.slow
 def test_gpt2_3_layers_within_one_percent_of_the_exact_ilp(case):
     """The built-in GPT-2 with 3 layers (123 nodes: the flat ILP over every region is too large for
-    the planner's default path, so solve_plan takes the hierarchical one) at 30/50/70% of the way
+    the planner's default path, so solve_plan takes the hierarchical one) at 30% and 70% of the way
     from the smallest feasible to the unplanned peak, against the exact ILP (benchmarks/exact.py),
-    proven optimal at each. (The default 4 layers, 161 nodes: the exact ILP takes minutes a budget
-    and may stop at its time limit unproven; 3 layers is the smallest GPT-2 on the hierarchical path.)"""
+    proven optimal at each (two budgets: each exact solve takes half a minute or more). (The
+    default 4 layers, 161 nodes: the exact ILP takes minutes a budget and may stop at its time
+    limit unproven; 3 layers is the smallest GPT-2 on the hierarchical path.)"""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     from exact import exact_row
 
@@ -267,7 +268,7 @@ def test_gpt2_3_layers_within_one_percent_of_the_exact_ilp(case):
     assert len(ctx.space.positions) * (len(ctx.space.positions) + 1) // 2 > FULL_PAIRS    # not the exact flat path
     assert for_graph(cg, SolveOptions(), ctx) is not None
     options = PlanOptions()
-    for f in (0.3, 0.5, 0.7):
+    for f in (0.3, 0.7):
         budget = c.budget(f)
         ours = solve_plan(cg, budget, options)
         assert ours.status.startswith("hierarchical"), ours.status
