@@ -18,6 +18,10 @@ Which runs are offered:
   block-sized and longer regions, plus the `EXTRA` regions of at most about two blocks that save
   the most bytes per second of recompute on their own (`efficient_spans`): an attention core
   (scores to softmax to dropout) starts and ends where many bytes cross, so cuts alone miss it.
+  The hand-made plans' regions (planner/baselines.py: every block, sqrt, SAC on every block) are
+  offered too, so the ILP can always express them: a budget a hand-made plan meets is never
+  infeasible to the ILP (hf-t5 at 11.55 MB: its 527 regions held no block of its own, the ILP
+  said infeasible, and the plan fell back to every block at 88% extra compute).
 
 `SearchSpace` holds what every region of one graph is judged by (its validity rules, the
 storages each node makes and reads, the cached candidates): `candidates` and the local search
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .baselines import blocks, sac_keepable
+from .baselines import blocks, known_plans, sac_keepable
 from .costgraph import CostGraph, same_unit
 from .options import SolveOptions
 from .result import Region
@@ -297,7 +301,8 @@ def efficient_spans(space: SearchSpace, span: int) -> list[tuple[float, int, int
 def candidates(cg: CostGraph, opts: SolveOptions = SolveOptions(), space: SearchSpace | None = None) -> list[Candidate]:
     """All candidate regions, each in its plain and (if different) SAC form; on large graphs,
     those between cuts (`opts.max_cuts`, `opts.max_span`) plus the `EXTRA` most efficient ones of
-    at most ~two blocks (or `FREE_SPAN` positions). `space`: the graph's SearchSpace, if made."""
+    at most ~two blocks (or `FREE_SPAN` positions) and the hand-made plans' regions. `space`: the
+    graph's SearchSpace, if made."""
     space = space or SearchSpace(cg, opts.sac)
     out, seen = [], set()
     for a, b in spans(space, opts.max_cuts, opts.max_span):
@@ -323,4 +328,10 @@ def candidates(cg: CostGraph, opts: SolveOptions = SolveOptions(), space: Search
         if c is not None:
             out.append(c)
             added += 1
+    for plan in known_plans(cg, opts.sac).values():
+        for r in plan:
+            c = None if r in seen else space.candidate(r)
+            seen.add(r)
+            if c is not None:
+                out.append(c)
     return out
