@@ -11,7 +11,9 @@ first (not timed). Columns: graph nodes; seconds of capture, capture check, fake
 (candidates, CBC, local search, everything in solve_plan but the replays) and exact replays (how
 many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
 estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
-is the same call again with the plan cache on (a second run of the same script). Each budget's
+is the same call again with the plan cache on (a second run of the same script), and one more
+the wrapped model's plan for half the batch (a shorter padded batch later in the run: the plan
+of the larger call is kept, NOTE [ covered shapes ]; an exported graph is captured again). Each budget's
 row is a cold plan (no ILP solved before in the process: planner/cbc.py NOTE [ solved once ]);
 the row "0.5 after 0.25" re-plans at u = 0.5 after a plan at u = 0.25 in the same process (the
 segment ILPs the two share are solved once). Timings are of
@@ -85,6 +87,26 @@ def row(name: str, ex, u: float | str, budget: int, options) -> dict:
             "predicted": p.predicted_peak_bytes, "cached": bool(p.meta.get("cached"))}
 
 
+def shorter(name: str, ex, budget: int, options) -> dict | None:
+    """The row of `plan_for` on half the batch, on a model wrapped for the whole one; None when
+    the batch is 1."""
+    w = _wrap(ex, budget / 1e9, options)
+    args, kwargs = (ex.inputs, ex.kwargs or {})
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0 or tensors[0].shape[0] < 2:
+        return None
+    n = tensors[0].shape[0]
+    half = torch.utils._pytree.tree_map(
+        lambda t: t[: n // 2] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t, (args, kwargs))
+    t0, c0 = time.perf_counter(), _cpu()
+    p = w.remat.plan_for(*half[0], **half[1])
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    return {"model": name, "u": "half batch", "budget": budget, "nodes": len(p.node_names), "wall": wall,
+            "cpu": cpu, **dict.fromkeys(("capture", "check", "profile", "solve", "replay", "replays")),
+            "extra": p.recompute_s / p.forward_s if p.forward_s else 0.0, "regions": len(p.regions),
+            "predicted": p.predicted_peak_bytes, "cached": False}
+
+
 def _s(x) -> str:
     return "" if x is None else f"{x:.2f}"
 
@@ -132,6 +154,10 @@ def main(argv=None) -> int:
             rows.append(row(name, ex, "cache: again", at(0.5), options))
             os.environ["REMAT_CACHE"] = "0"
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+        half = shorter(name, ex, at(0.5), options)
+        if half is not None:
+            rows.append(half)
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
     old = None
     if args.compare:
         old = {(r["model"], str(r["u"])): r["extra"] for r in json.loads(pathlib.Path(args.compare).read_text())}
