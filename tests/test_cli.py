@@ -183,12 +183,12 @@ def test_sweep_without_matplotlib(bad_runs):
 # ------------------------------------------------------------------ the slow lane's commands
 # test -> {name: argv}: {models} is the factories' file, {tmp} a folder of the fixture's
 SLOW_RUNS = {
-    "test_report_builtin_table": {"table": ["report", "--budget", "40%", *FAST]},
+    # README's own example's options: its ILPs are solved once (the solved-ILP store the suite shares)
+    "test_report_builtin_table": {"table": ["report", "--budget", "40%", "--time-limit", "30"]},
     "test_report_json_kwargs_factory": {"kwargs": ["report", "{models}:make_kwargs", "--budget", "70%", "--json", *FAST]},
     "test_check_fits_and_measures": {"measure": ["check", "{models}:make", "--budget", "80%", "--measure", *FAST]},
     "test_check_compiled_measures_the_compiled_step": {
-        "compiled check": ["check", "{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST],
-        "compiled report": ["report", "{models}:make", "--budget", "60%", "--compile", "--json", *FAST]},
+        "compiled check": ["check", "{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST]},
     "test_check_too_small": {"too small": ["check", "{models}:make", "--budget", "1%", *FAST],
                              "too small json": ["check", "{models}:make", "--budget", "1%", "--json", *FAST]},
     "test_check_overhead_cap": {"cap": ["check", "{models}:make", "--budget", "70%", "--max-overhead", "1%", "--json",
@@ -272,17 +272,16 @@ def test_check_fits_and_measures(slow_runs):
 
 @pytest.mark.slow
 def test_check_compiled_measures_the_compiled_step(slow_runs):
-    """--compile: plain regions planned against the compiled step's measured peak, which is
-    measured again afresh (--measure) and is within the budget."""
+    """--compile: regions planned against the compiled step's measured peak, which is measured
+    again afresh (--measure) and is within the budget. (That a compiled plan's regions are plain
+    and its notes say "compiled step": tests/test_compile.py, in process.)"""
     r = slow_runs["compiled check"].result()
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(r.stdout)
     assert d["fits"] and d["measured_peak_bytes"] <= d["budget_bytes"]
     assert d["predicted_peak_bytes"] <= d["budget_bytes"]
-    rep = slow_runs["compiled report"].result()
-    plan = json.loads(rep.stdout)["plan"]
-    assert plan["regions"] and not any(reg["saved"] for reg in plan["regions"])
-    assert any("compiled step" in n for n in plan["notes"])
+    regions = int(re.search(r"(\d+) regions", d["reason"]).group(1))
+    assert regions > 0 and d["extra_compute_pct"] > 0
 
 
 @pytest.mark.slow
