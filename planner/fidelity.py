@@ -134,17 +134,42 @@ def in_grad_mode(enabled: bool, target, kind: str):
 TENSOR_ONLY_HOOKS = (_spectral_norm.SpectralNorm, _weight_norm.WeightNorm)
 
 
+# NOTE [ output-capturing hooks ]
+# Hugging Face models (transformers 5: `capture_outputs`) install forward hooks on their layers the
+# first time a forward asks for recorded outputs (Mixtral's router logits, for its auxiliary
+# loss; `output_hidden_states`, `output_attentions`): each appends its module's output to a
+# collector that the decorated forward of the model that installed them (it carries
+# `_output_capturing_hooks_installed`) creates and reads back into its outputs within the same
+# call. When that model is inside the capture, the hook's whole effect is in the outputs the graph
+# records, so the hooked layers need not be leaves. Without this, a Mixtral that had run once (the
+# capture check's real step installs them) could not be captured again: a shorter padded batch
+# or a plan-cache hit raised TraceError (tests/test_capture.py::
+# test_hugging_faces_output_capturing_hooks_keep_the_graph).
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _records_outputs(hook, name: str, recorders: list[str]) -> bool:
+    """A forward hook of Hugging Face's output capturing, installed by a model inside the capture."""
+    return (getattr(hook, "__module__", None) == _OUTPUT_CAPTURING
+            and getattr(hook, "__name__", "") == "output_capturing_hook"
+            and any(r == "" or name == r or name.startswith(r + ".") for r in recorders))
+
+
 def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
     """Submodules (not the root: its hooks run around the planned forward) with forward or
     backward hooks, by qualified name -> why they are leaves: a traced hook runs once, at trace
-    time, and keeps only its tensor ops. Modules nested in a hooked one are left out."""
+    time, and keeps only its tensor ops. Modules nested in a hooked one are left out. Hooks that
+    only compute tensors (TENSOR_ONLY_HOOKS) and Hugging Face's output capturing (NOTE [
+    output-capturing hooks ]) do not count."""
+    recorders = [n for n, m in model.named_modules() if getattr(m, "_output_capturing_hooks_installed", False)]
     out: dict[str, str] = {}
     for name, m in model.named_modules():
         if not name or any(name.startswith(o + ".") for o in out):
             continue
         kinds = [k for k, d in (("forward", m._forward_hooks), ("forward pre", m._forward_pre_hooks),
                                 ("backward", m._backward_hooks), ("backward pre", m._backward_pre_hooks))
-                 if any(not isinstance(h, TENSOR_ONLY_HOOKS) for h in d.values())]
+                 if any(not isinstance(h, TENSOR_ONLY_HOOKS) and not (k == "forward" and _records_outputs(h, name, recorders))
+                        for h in d.values())]
         if kinds:
             out[name] = f"has {' and '.join(kinds)} hooks, which a graph would run only while it is captured"
     return out

@@ -577,3 +577,37 @@ def test_parametrizations_and_detach_tricks_train_identically():
         x = _seq()
         plan, _ = check_pair(model, (x,), between(model, (x,)), path="fx")
         assert plan.meta["capture_check"] == "passed"
+
+
+def _moe_step(m, kwargs):
+    torch.manual_seed(3)
+    loss = m(**kwargs).loss
+    loss.backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_hugging_faces_output_capturing_hooks_keep_the_graph():
+    """A Mixtral that has run once carries transformers' output-capturing hooks (its router logits,
+    for the auxiliary loss): it is exported all the same (NOTE [ output-capturing hooks ]), and a
+    shorter batch later in the run keeps the plan and trains as the model does. It raised
+    TraceError ("4 hooked submodule(s)") on the shorter batch."""
+    pytest.importorskip("transformers")
+    from benchmarks.zoo_models import hf_moe
+    ex = hf_moe(n_layer=1, d_model=32, vocab=128, batch=4, seq_len=16, n_experts=2, top_k=1)
+    model = ex.model
+    with torch.no_grad():
+        model(**ex.kwargs)                  # the user's first call installs the hooks
+    assert any(m._forward_hooks for m in model.modules())
+    ref = copy.deepcopy(model)
+    wrapped = plan_and_wrap(model, "70%", example_kwargs=ex.kwargs, loss_fn=lambda out: out.loss, options=FAST)
+    assert wrapped.remat.plan.trace_path == "torch.export" and wrapped.remat.plan.regions
+    half = {k: v[:2] for k, v in ex.kwargs.items()}
+    for kwargs in (ex.kwargs, half):
+        (loss, grads), (ref_loss, ref_grads) = _moe_step(wrapped, kwargs), _moe_step(ref, kwargs)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    assert wrapped.remat.plan_for(**half) is wrapped.remat.plan_for(**ex.kwargs)   # one plan for both
