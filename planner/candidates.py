@@ -328,10 +328,8 @@ def candidates(cg: CostGraph, opts: SolveOptions = SolveOptions(), space: Search
         if c is not None:
             out.append(c)
             added += 1
-    for plan in known_plans(cg, opts.sac).values():
-        for r in plan:
-            c = None if r in seen else space.candidate(r)
-            seen.add(r)
-            if c is not None:
-                out.append(c)
+    for r in (r for plan in known_plans(cg, opts.sac).values() for r in plan if r not in seen):
+        seen.add(r)
+        if (c := space.candidate(r)) is not None:
+            out.append(c)
     return out

@@ -155,6 +155,11 @@ def _records_outputs(hook, name: str, recorders: list[str]) -> bool:
             and any(r == "" or name == r or name.startswith(r + ".") for r in recorders))
 
 
+def _counts(hook, kind: str, name: str, recorders: list[str]) -> bool:
+    """Whether `hook` (of `kind`, on submodule `name`) makes its module a leaf."""
+    return not isinstance(hook, TENSOR_ONLY_HOOKS) and not (kind == "forward" and _records_outputs(hook, name, recorders))
+
+
 def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
     """Submodules (not the root: its hooks run around the planned forward) with forward or
     backward hooks, by qualified name -> why they are leaves: a traced hook runs once, at trace
@@ -168,8 +173,7 @@ def hooked_modules(model: torch.nn.Module) -> dict[str, str]:
             continue
         kinds = [k for k, d in (("forward", m._forward_hooks), ("forward pre", m._forward_pre_hooks),
                                 ("backward", m._backward_hooks), ("backward pre", m._backward_pre_hooks))
-                 if any(not isinstance(h, TENSOR_ONLY_HOOKS) and not (k == "forward" and _records_outputs(h, name, recorders))
-                        for h in d.values())]
+                 if any(_counts(h, k, name, recorders) for h in d.values())]
         if kinds:
             out[name] = f"has {' and '.join(kinds)} hooks, which a graph would run only while it is captured"
     return out
