@@ -68,7 +68,8 @@ def exact_row(cg: CostGraph, budget: int, ours: Plan, safety_margin: float, min_
     status = sol.status if sol is not None else "no ILP solution"
     if sol is not None and sol.status != "optimal":
         status += " (not proven optimal)"
-    row |= dict(status=status, reference=ref, exact_flops=ok[ref].recompute_flops, exact_s=ok[ref].recompute_s)
+    row |= dict(status=status, reference=ref, reference_regions=field[ref], exact_flops=ok[ref].recompute_flops,
+                exact_s=ok[ref].recompute_s)
     return row | (least_flops(cg, cands, target, ok.values()) if min_flops else {})
 
 

@@ -8,8 +8,9 @@
 Each row is one `plan_and_wrap` of a fresh copy of the model (plan cache off) at budget =
 floor + u x (unplanned - floor), where the floor and the unplanned peak come from one plan made
 first (not timed). Columns: graph nodes; seconds of capture, capture check, fake profile, solve
-(candidates, CBC, local search, everything in solve_plan but the replays) and exact replays (how
-many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
+(candidates, CBC, local search, everything in solve_plan but the replays), the ILPs CBC solved
+(not those taken from planner/cbc.py's store: a count that does not move with the machine's load)
+and exact replays (how many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
 estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
 is the same call again with the plan cache on (a second run of the same script), and one more
 the wrapped model's plan for half the batch (a shorter padded batch later in the run: the plan
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from remat.planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
-from remat.planner.cbc import SOLVED  # noqa: E402
+from remat.planner.cbc import COUNTS, SOLVED  # noqa: E402
 from remat.planner.compat import tree_leaves, tree_map  # noqa: E402
 from remat.runtime import plan_and_wrap  # noqa: E402
 from remat.runtime.examples import EXAMPLES  # noqa: E402
@@ -77,13 +78,14 @@ def bounds(ex, options) -> tuple[int, int]:
 
 
 def row(name: str, ex, u: float | str, budget: int, options) -> dict:
-    t0, c0 = time.perf_counter(), _cpu()
+    t0, c0, n0 = time.perf_counter(), _cpu(), COUNTS["solved"]
     w = _wrap(ex, budget / 1e9, options)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     p = w.remat.plan
     spent = {} if p.meta.get("cached") else p.meta.get("plan_time", {})
     return {"model": name, "u": u, "budget": budget, "nodes": len(p.node_names), "wall": wall, "cpu": cpu,
             **{k: spent.get(k) for k in ("capture", "check", "profile", "solve", "replay", "replays")},
+            "ilps": COUNTS["solved"] - n0,
             "extra": p.recompute_s / p.forward_s if p.forward_s else 0.0, "regions": len(p.regions),
             "predicted": p.predicted_peak_bytes, "cached": bool(p.meta.get("cached"))}
 
@@ -103,7 +105,7 @@ def shorter(name: str, ex, budget: int, options) -> dict | None:
     p = w.remat.plan_for(*half_args, **half_kwargs)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     return {"model": name, "u": "half batch", "budget": budget, "nodes": len(p.node_names), "wall": wall,
-            "cpu": cpu, **dict.fromkeys(("capture", "check", "profile", "solve", "replay", "replays")),
+            "cpu": cpu, **dict.fromkeys(("capture", "check", "profile", "solve", "replay", "replays", "ilps")),
             "extra": p.recompute_s / p.forward_s if p.forward_s else 0.0, "regions": len(p.regions),
             "predicted": p.predicted_peak_bytes, "cached": False}
 
@@ -113,13 +115,14 @@ def _s(x) -> str:
 
 
 def table(rows: list[dict], old: dict | None = None) -> str:
-    head = ("| model | u | nodes | capture s | check s | profile s | solve s | replay s (n) | total s | CPU s "
+    head = ("| model | u | nodes | capture s | check s | profile s | solve s | ILPs | replay s (n) | total s | CPU s "
             "| extra compute | regions |" + (" extra before |" if old else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         before = old.get((r["model"], str(r["u"]))) if old else None
         lines.append(f"| {r['model']} | {r['u']} | {r['nodes']} | {_s(r['capture'])} | {_s(r['check'])} | "
-                     f"{_s(r['profile'])} | {_s(r['solve'])} | {_s(r['replay'])} ({r['replays'] or 0}) | "
+                     f"{_s(r['profile'])} | {_s(r['solve'])} | {'' if r.get('ilps') is None else r['ilps']} | "
+                     f"{_s(r['replay'])} ({r['replays'] or 0}) | "
                      f"{r['wall']:.2f} | {r['cpu']:.2f} | {r['extra']:.1%} | {r['regions']} |"
                      + (f" {before:.1%} |" if before is not None else (" |" if old else "")))
     return "\n".join(lines)

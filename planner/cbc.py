@@ -57,6 +57,7 @@ _memo_lock = threading.Lock()
 CBC_ATTEMPTS = 4
 DISK_ENTRIES = 20_000          # files kept in the disk store; beyond, the least recently used go
 DISK_FORMAT = 1
+COUNTS = {"solved": 0, "memo": 0, "disk": 0}   # CBC runs, and results taken from each store (benchmarks)
 
 
 def cbc_command(threads: int = 1, **kw) -> pulp.PULP_CBC_CMD:
@@ -176,8 +177,10 @@ def cbc(prob, solver) -> None:
     if path is not None:
         got = _read(path, len(prob.variables()))
     if got is not None:
+        source = "memo" if path is None else "disk"
         _assign(prob, got)
     else:
+        source = "solved"
         t0 = time.perf_counter()
         for attempt in range(CBC_ATTEMPTS):
             try:
@@ -192,6 +195,7 @@ def cbc(prob, solver) -> None:
         if path is not None and (limit is None or time.perf_counter() - t0 < 0.9 * limit):
             _write(path, got)
     with _memo_lock:
+        COUNTS[source] += 1
         SOLVED[key] = got
         SOLVED.move_to_end(key)
         while len(SOLVED) > MEMO_ENTRIES:

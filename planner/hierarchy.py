@@ -52,6 +52,8 @@ from .simulate import base_liveness, timeline
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
 LOW_PEAK = 2         # ... and at how many of the K found the plan of least peak is solved for
 REFINE_SOLVES = 12   # per budget: at most this many more segment ILPs around the options the DP picked
+REFINE_NEAR = 3      # ... for a budget within NEAR_BUDGET of one solved before (the budget correction's
+NEAR_BUDGET = 0.02   # next round: the DP's choice lies where the fronts were refined already)
 REFINE_MIN_PEAK = 4  # ... and for the least peak (whose cost matters less)
 MIN_GAP = 1e-3       # a gap in a front narrower than this share of the activation bytes is not searched
 ROUNDS = 5           # DP solves per budget when the simulator says the chained plan misses
@@ -63,6 +65,10 @@ POLISH_NODES = 1000              # ... for at most this many branch-and-bound no
                                  # limit, so that a busy machine gets the same plan
 LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
 LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
+LOCAL_SEARCH_BUDGETED = 4      # ... a quarter of that after a solve for a budget: the chain's plan polished
+                               # by the flat ILP left it nothing to find on any hierarchical row of
+                               # benchmarks/plan_time.py (0 of 18 improved; 0.2-1.7 s each), while
+                               # the least-peak search's starts it does improve (the floor)
 CROSS = 3            # positions on each side of a segment boundary a polishing region may reach across
 WIDTH = 3            # segment ILPs solved at once, each by its own CBC process (a constant, not the
                      # machine's core count: every machine makes the same plan)
@@ -200,6 +206,7 @@ class HierarchicalSolver:
             self._first_options(fam)
         self.types = len({s.type for s in self.segs if s.kind == "block"})
         self.refine_left = REFINE_SOLVES
+        self.budgets: list[int] = []                  # every budget solved for
         self.setup_s = time.perf_counter() - t0
 
     def _first_options(self, fam: _Family) -> None:
@@ -340,7 +347,9 @@ class HierarchicalSolver:
         and `ctx` are this solver's own)."""
         t0 = time.perf_counter()
         opts = opts or self.opts
-        self.refine_left = REFINE_SOLVES
+        near = any(abs(budget_bytes - b) <= NEAR_BUDGET * b for b in self.budgets)
+        self.refine_left = REFINE_NEAR if near else REFINE_SOLVES
+        self.budgets.append(budget_bytes)
         best, effective, tried = None, budget_bytes, set()
         for _ in range(ROUNDS):
             got = self._plan(effective)
@@ -374,7 +383,8 @@ class HierarchicalSolver:
             return None
         regions = best[1]
         if opts.improve_evals:
-            better = improve(self.cg, regions, budget_bytes, self._evals(opts), ctx=self.ctx)
+            better = improve(self.cg, regions, budget_bytes, self._evals(opts) // LOCAL_SEARCH_BUDGETED,
+                             ctx=self.ctx)
             if better != regions:
                 regions, label = better, label + "; improved by local search"
         return _ilp.Solution(regions, label, float("nan"), time.perf_counter() - t0)
