@@ -287,7 +287,9 @@ def test_parameters_with_freed_storage_profile_as_the_real_ones(tied):
 def test_an_infeasible_budget_raises_on_every_rank(two_ranks):
     res = two_ranks("infeasible")
     assert [r["raised"] for r in res["ranks"]] == ["InfeasibleBudgetError"] * 2
-    assert res["ranks"][0] == res["ranks"][1] and res["ranks"][0]["unit"] == "MB"
+    # the same error on both ranks; "seconds" is each rank's wall time (0.9 against 1.0 s in a CI run)
+    a, b = ({k: v for k, v in r.items() if k != "seconds"} for r in res["ranks"])
+    assert a == b and a["unit"] == "MB"
 
 
 @pytest.mark.slow
