@@ -10,8 +10,8 @@ floor + u x (unplanned - floor), where the floor and the unplanned peak come fro
 first (not timed). Columns: graph nodes; seconds of capture, capture check, fake profile, solve
 (candidates, CBC, local search, everything in solve_plan but the replays), the ILPs CBC solved
 (not those taken from planner/cbc.py's store: a count that does not move with the machine's load)
-and exact replays (how many); the wall-clock total and the CPU seconds of the process and its CBC children; the plan's
-estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
+and exact replays (how many); the wall-clock total and the CPU seconds of the process and its CBC
+children; the plan's estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
 is the same call again with the plan cache on (a second run of the same script), and one more
 the wrapped model's plan for half the batch (a shorter padded batch later in the run: the plan
 of the larger call is kept, NOTE [ covered shapes ]; an exported graph is captured again). Each budget's

@@ -259,10 +259,8 @@ GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "exact-gpt2-3l.jso
 
 
 def _digest(cg: CostGraph) -> str:
-    """What the exact optimum depends on: the graph's numbers (not its meta), as JSON."""
-    d = asdict(cg)
-    d.pop("meta", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+    """What the exact optimum depends on: the graph's numbers (not its meta), as CostGraph.to_json."""
+    return hashlib.sha256(replace(cg, meta={}).to_json().encode()).hexdigest()
 
 
 def _exact_reference(cg: CostGraph, budget: int, ours, margin: float, golden: dict) -> dict:
