@@ -15,6 +15,8 @@ here: they are printed and saved.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -62,21 +64,31 @@ def _train(model, ex, opt, steps: int, device: torch.device) -> tuple[int | None
     return peak, statistics.median(times[1:] or times)
 
 
-class _EveryBlock(torch.nn.Module):
-    """Checkpoint every decoder block (what `gradient_checkpointing_enable()` does)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
+@contextlib.contextmanager
+def every_block(model):
+    """Inside, every decoder block checkpointed (what `gradient_checkpointing_enable()` does);
+    the blocks' own forwards again after."""
+    for block in model.h:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        yield model
+    finally:
         for block in model.h:
-            block.forward = self._checkpointed(block.forward)
+            del block.forward
 
-    @staticmethod
-    def _checkpointed(forward):
-        return lambda *a, **kw: checkpoint(forward, *a, use_reentrant=False, **kw)
 
-    def forward(self, *args):
-        return self.model(*args)
+def library_workspace(device: torch.device) -> int:
+    """Bytes the allocator holds after one small bf16 matmul's forward and backward beyond its
+    tensors (cuBLAS/cuBLASLt workspaces, kept for the process): what a step's allocator peak
+    holds that no tensor of the step does. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    a = torch.randn(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) - before - 2 * a.numel() * a.element_size()
 
 
 def main(argv=None) -> int:
@@ -87,10 +99,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
+    workspace = library_workspace(device)             # first, in a process that has run nothing yet
     ex, cfg = _model(a.tiny, device)
     params = sum(p.numel() for p in ex.model.parameters())
     opt = torch.optim.AdamW(ex.model.parameters(), lr=1e-4)
     _train(ex.model, ex, opt, 1, device)                  # the optimizer's state exists from here on
+    base_peak, base_s = _train(ex.model, ex, opt, a.steps, device)      # before the model is wrapped
+    with every_block(ex.model):
+        block_peak, block_s = _train(ex.model, ex, opt, a.steps, device)
     options = PlanOptions()
     free = plan_and_wrap(ex.model, 10**6, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
                          options=options).remat.plan
@@ -108,12 +124,13 @@ def main(argv=None) -> int:
         peak, step_s = _train(w, ex, opt, a.steps, device)
         rows.append((f"{frac:.0%}", budget, w.remat.plan.predicted_peak_bytes, peak, step_s, len(w.remat.plan.regions), plan_s,
                      w.remat.plan.peak_phase))
-    base_peak, base_s = _train(ex.model, ex, opt, a.steps, device)
-    block_peak, block_s = _train(_EveryBlock(ex.model), ex, opt, a.steps, device)
+        print("row", rows[-1], flush=True)               # a run cut short still shows what it measured
     lines = [f"# GPU check: {cfg} ({params / 1e9:.2f}B parameters, bf16, AdamW) on "
              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}, torch {torch.__version__}",
-             "", f"unplanned whole step: measured {base_peak} B, {base_s:.3f} s; every block checkpointed: "
-             f"measured {block_peak} B, {block_s:.3f} s; smallest feasible (remat) {floor} B", "",
+             "", f"unplanned whole step: predicted {free.unplanned_peak_bytes} B, measured {base_peak} B, {base_s:.3f} s; "
+             f"every block checkpointed: "
+             f"measured {block_peak} B, {block_s:.3f} s; smallest feasible (remat) {floor} B; library workspaces "
+             f"after one bf16 matmul: {workspace} B", "",
              "| budget | bytes | predicted | measured (allocator) | pred/meas | step s | vs every block | regions | plan s | peak in |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, budget, pred, meas, step_s, regions, plan_s, phase in rows:

@@ -19,10 +19,9 @@ recompute gets the forward's values and the gradients stay bitwise the unwrapped
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.checkpoint import (_CachedTorchDispatchMode, _CachingTorchDispatchMode,
+                                    create_selective_checkpoint_contexts)
 
 _LOWER = (torch.bfloat16, torch.float16)
 
@@ -59,5 +58,8 @@ def selective_contexts(policy, allow_cache_entry_mutation: bool = False):
     """(forward mode, recompute mode) of selective checkpointing under `policy`, as
     `torch.utils.checkpoint.create_selective_checkpoint_contexts` makes them, with autocast's
     weight casts outside the ops they match by position (module docstring)."""
-    storage: dict = defaultdict(dict)
-    return _Saving(policy, storage), _Replaying(None, storage, allow_cache_entry_mutation)
+    # torch's own pair, of this torch's making (their arguments and storage differ between versions:
+    # 2.11 keeps a list per op and asks the policy in the recompute too), with the casts outside
+    saving, replaying = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation)
+    saving.__class__, replaying.__class__ = _Saving, _Replaying
+    return saving, replaying
