@@ -4,6 +4,7 @@
     python benchmarks/plan_time.py --models gpt2 hf-llama --fractions 0.5
     python benchmarks/plan_time.py --out 2026-12-02-plan-time   # .md and .json in benchmarks/results/
     python benchmarks/plan_time.py --compare benchmarks/results/OLD.json   # extra compute against an older run
+    python benchmarks/plan_time.py --compare OLD.json --same-budgets        # ... at the older run's budgets
 
 Each row is one `plan_and_wrap` of a fresh copy of the model (plan cache off) at budget =
 floor + u x (unplanned - floor), where the floor and the unplanned peak come from one plan made
@@ -17,7 +18,9 @@ the wrapped model's plan for half the batch (a shorter padded batch later in the
 of the larger call is kept, NOTE [ covered shapes ]; an exported graph is captured again). Each budget's
 row is a cold plan (no ILP solved before in the process: planner/cbc.py NOTE [ solved once ]);
 the row "0.5 after 0.25" re-plans at u = 0.5 after a plan at u = 0.25 in the same process (the
-segment ILPs the two share are solved once). Timings are of
+segment ILPs the two share are solved once). With `--same-budgets` each row plans at the budget
+in bytes of the --compare run's row (a planner that finds a lower floor moves u's budgets down:
+compare plans at equal budgets), and each model's floor is listed under the table. Timings are of
 this machine as it was: run it alone, on a quiet machine. Nothing here is a test.
 """
 from __future__ import annotations
@@ -134,15 +137,23 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     ap.add_argument("--out", help="name of the results files (benchmarks/results/NAME.md and .json)")
     ap.add_argument("--compare", help="an older run's .json: its extra compute beside each row")
+    ap.add_argument("--same-budgets", action="store_true", help="plan at the --compare run's budgets (bytes)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ["REMAT_CACHE"] = "0"
     options = PlanOptions()
-    rows = []
+    rows, floors = [], []
+    before = {(r["model"], str(r["u"])): r for r in json.loads(pathlib.Path(args.compare).read_text())} \
+        if args.compare else {}
     for name in args.models:
         ex = example(name)
         floor, unplanned = bounds(ex, options)
-        at = lambda u: int(floor + u * (unplanned - floor))  # noqa: E731
+        floors.append(f"{name} {floor}")
+
+        def at(u, floor=floor, unplanned=unplanned, name=name) -> int:
+            if args.same_budgets and (name, str(u)) in before:
+                return before[(name, str(u))]["budget"]
+            return int(floor + u * (unplanned - floor))
         for u in args.fractions:
             SOLVED.clear()              # a cold plan: no ILP this process solved before (NOTE [ solved once ])
             rows.append(row(name, ex, u, at(u), options))
@@ -162,10 +173,8 @@ def main(argv=None) -> int:
         if half is not None:
             rows.append(half)
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    old = None
-    if args.compare:
-        old = {(r["model"], str(r["u"])): r["extra"] for r in json.loads(pathlib.Path(args.compare).read_text())}
-    text = table(rows, old)
+    old = {k: r["extra"] for k, r in before.items()} or None
+    text = table(rows, old) + "\n\nfloors (bytes): " + ", ".join(floors)
     print(text)
     if args.out:
         meta = (f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

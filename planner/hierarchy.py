@@ -18,11 +18,15 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    built from planner/solve.py's own pieces; `SegmentILP`) gets one more constraint: K, the bytes
    the segment keeps for backward, at most a level. The epsilon-constraint method on K (the
    cheapest plan keeping at most a level) traces the segment's Pareto front of K against recompute,
-   its widest gaps searched first (LEVELS solves), plus plans of least peak at some levels. Each
+   its widest gaps searched first (LEVELS solves), plus plans of least peak at some levels. The
+   cheapest plans come from the segment's exact front, made once by a DP over its boundaries
+   (planner/front.py, NOTE [ front DP ]: no CBC run; the ILP answers where the DP would carry too
+   much), and every point of that front is an option too. Plans of least peak, and of a lower
+   peak at the options each budget picks, are ILPs with a bound on the peak. Each
    plan is scored in the context of every segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
-   and a split starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
+   and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
 4. *The chain* (
 
 NOTE [ chain ] is in planner/chain.py; the structure in planner/blocks.py, a segment alone in
@@ -43,6 +47,7 @@ from .blocks import Segment, segments
 from .candidates import FULL_PAIRS, candidates
 from .chain import chain_dp, chain_min_peak
 from .costgraph import CostGraph
+from .front import front
 from .improve import Search, improve, search
 from .options import SolveOptions
 from .result import Region
@@ -58,8 +63,10 @@ REFINE_MIN_PEAK = 4  # ... and for the least peak (whose cost matters less)
 MIN_GAP = 1e-3       # a gap in a front narrower than this share of the activation bytes is not searched
 ROUNDS = 5           # DP solves per budget when the simulator says the chained plan misses
 CLOSE = 0.002        # ... stopping once a plan that fits is this close to the budget
-POLISH_CANDIDATES = 1500         # the flat ILP over the options' regions (tiled, and across block
-                                 # boundaries) runs when there are at most this many of them ...
+POLISH_CANDIDATES = 2000         # the flat ILP over the options' regions (tiled, and across block
+                                 # boundaries) runs when there are at most this many of them (the
+                                 # exact fronts' options made gpt2's 1421 of 1500 more than 1500:
+                                 # unpolished, its floor rose 2%) ...
 POLISH_NODES = 1000              # ... for at most this many branch-and-bound nodes: warm-started from
                                  # the chain's plan, it stops at this limit well before CBC's time
                                  # limit, so that a busy machine gets the same plan
@@ -77,8 +84,9 @@ WIDTH = 3            # segment ILPs solved at once, each by its own CBC process 
 class _Family:
     """Segments solved as one (blocks alike but for measured extra bytes, `Segment.family`; or one
     other segment), through one SegmentILP over its middle member's segment graph. Its plans are in
-    that graph's indices, shared by every member. `front` is the Pareto front of (K, recompute) the
-    ILP has found, in the representative's context; the gap between two of its points is searched
+    that graph's indices, shared by every member. `front` holds the points of the Pareto front of
+    (K, recompute) searched so far, in the representative's context (`exact`: the whole front by
+    DP, which answers the searches); the gap between two of its points is searched
     by bisection on K (the cheapest plan keeping at most the middle: a new point of the front, or
     none there), and `searched` says how far up from the lower point a gap holds no point."""
 
@@ -87,6 +95,10 @@ class _Family:
         self.ilps = [make_ilp()]                      # one per batch slot (`ilp_at`), made when needed
         self.ilp = self.ilps[0]
         self.min_gap = max(min_gap, 4 * self.ilp.tol)      # MB: narrower gaps are not searched
+        # the segment's whole (K, recompute) front over the ILP's candidates, K as the ILP reads it
+        # (planner/front.py): every plan the splits by ILP would find, without a CBC run; None where
+        # the DP would carry too much (the ILP's splits search the front then)
+        self.exact = front(self.ilp.sub, self.ilp.cands) if self.ilp.cands else None
         self.plans: list[tuple[Region, ...]] = []
         self.front: list[tuple[float, float, tuple[Region, ...]]] = []   # (K MB, seconds, plan), K ascending
         self.searched: dict[tuple[Region, ...], float] = {}             # upper point -> K searched up to
@@ -97,6 +109,12 @@ class _Family:
         while len(self.ilps) <= slot:
             self.ilps.append(self.make_ilp())
         return self.ilps[slot]
+
+    def least_kept(self):
+        """(plan, K MB) keeping the least, recompute breaking ties; None without candidates."""
+        if self.exact is not None:
+            return self.exact[0].plan, self.exact[0].kept_mb
+        return self.ilp.least_kept()
 
     def point(self, plan) -> tuple[float, float, tuple[Region, ...]]:
         o = self.rep.score(plan)
@@ -137,6 +155,9 @@ class _Family:
                 return None
             self.front.insert(self.front.index(below) + 1, (k, c, plan))   # other jobs split other gaps
             return plan
+        if self.exact is not None:          # the exact front's answer: no CBC run
+            got = [p for p in self.exact if p.kept_mb <= mid + 1e-9]
+            return Job(self, lambda _: (got[-1].plan, got[-1].kept_mb) if got else None, take, ilp=False)
         return Job(self, lambda ilp: ilp.cheapest(mid, start=below[2]), take)
 
     def least_peak(self, at: int) -> "Job":
@@ -159,23 +180,27 @@ def _plan_of(got):
 
 class Job(NamedTuple):
     """One segment ILP to solve: `solve(ilp)` on one of the family's SegmentILPs (in a worker
-    thread: CBC runs as a process), `take(result)` back in order (the plan found, or None)."""
+    thread: CBC runs as a process), `take(result)` back in order (the plan found, or None). With
+    `ilp` False the answer comes from the family's exact front (`solve(None)`: no CBC run)."""
     family: _Family
     solve: object
     take: object
+    ilp: bool = True
 
 
 def run_jobs(jobs: list[Job]) -> list:
-    """Solve `jobs` (at most WIDTH) at once, each on its own ILP, and take their results in order:
-    the plans found (None where none). Each job's result depends on its ILP and level only, so the
-    plans are those of solving them one after another."""
-    ilps = [job.family.ilp_at(slot) for slot, job in enumerate(jobs)]
-    if len(jobs) == 1:
-        got = [jobs[0].solve(ilps[0])]
+    """Solve `jobs` (at most WIDTH) at once, each ILP on its own SegmentILP, and take their results
+    in order: the plans found (None where none). Each job's result depends on its ILP and level
+    only, so the plans are those of solving them one after another."""
+    on_ilp = [job for job in jobs if job.ilp]
+    ilps = [job.family.ilp_at(slot) for slot, job in enumerate(on_ilp)]
+    if len(on_ilp) <= 1:
+        solved = [job.solve(ilp) for job, ilp in zip(on_ilp, ilps)]
     else:
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(lambda job, ilp: job.solve(ilp), jobs, ilps))
-    return [job.take(g) for job, g in zip(jobs, got)]
+        with ThreadPoolExecutor(len(on_ilp)) as pool:
+            solved = list(pool.map(lambda job, ilp: job.solve(ilp), on_ilp, ilps))
+    by_job = dict(zip(map(id, on_ilp), solved))
+    return [job.take(by_job[id(job)] if job.ilp else job.solve(None)) for job in jobs]
 
 
 class HierarchicalSolver:
@@ -212,9 +237,14 @@ class HierarchicalSolver:
     def _first_options(self, fam: _Family) -> None:
         """No regions and the least K (the ends of the front), then LEVELS gaps split, the widest
         first, WIDTH at a time; and the least-peak plan at LOW_PEAK of the front's K: the least in
-        the first batch (one gap to split there), the others once the splits are done."""
+        the first batch (one gap to split there), the others once the splits are done. With the
+        exact front, its answers make the splits (no CBC run), and every point of it is an option
+        too: a point's peak in the whole graph (M) is not what the DP chose it by, and the chain
+        fits budgets by M as well. (Either alone planned some zoo rows dearer than the ILPs' points
+        did: LEVELS points of the front, or every point with the least-peak levels taken among all
+        of them.)"""
         plans = [()]
-        low = fam.ilp.least_kept()
+        low = fam.least_kept()
         if low is not None:
             fam.front = sorted({fam.point(()), fam.point(low[0])}, key=lambda e: e[0])
             plans.append(low[0])
@@ -231,7 +261,7 @@ class HierarchicalSolver:
                 if not jobs:
                     break
                 plans += [p for p in run_jobs(jobs) if p is not None]
-        self._add(fam, plans)
+        self._add(fam, plans + [p.plan for p in fam.exact or ()])
 
     def _add(self, fam: _Family, plans) -> bool:
         """Offer `plans` to every member of `fam`, scored in its context; whether any was new."""

@@ -1,0 +1,123 @@
+"""The exact Pareto front of a segment's kept bytes K against its recompute, by dynamic
+programming over its node boundaries (pure: no torch, no solver; planner/segment.py's
+`SegmentILP` answers its K-bounded cheapest plans from it).
+
+NOTE [ front DP ]
+A plan is a path over the boundaries 0..n of NOTE [ ILP ]: at boundary b a node is skipped (in no
+region) or a candidate region starting at b is chosen, which moves the path past its end. K is the
+segment ILP's `kept`: the bytes of the storages it counts (not outputs, not left to a holder no
+region covers, except the sink) that some reason keeps: a holder skipped, or a chosen region that
+reads the storage as its input or caches it (SAC). A storage counts once however many reasons
+hold, so the DP's state at a boundary is the set of storages kept already that a later step could
+keep again (`later` reasons at or after the boundary); with no later reason a storage leaves the
+state. Each state holds the Pareto set of (K, recompute) over the paths reaching it, each with its
+plan. The front is the Pareto set of all paths at n: for every level, the cheapest plan keeping at
+most that level is its point of largest K at or below the level, exactly the epsilon-constraint
+ILP's optimum (without its node limit). Costs add over regions (each region's recompute is its own);
+ties keep the plan found first (boundaries ascending, candidates in their order).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .candidates import Candidate
+from .costgraph import CostGraph
+from .result import Region
+
+
+FRONT_WORK = 2_000_000   # (K, recompute) entries the DP may carry across its boundaries in all; beyond,
+                         # it gives up (None) and the segment ILP answers instead. The largest segment
+                         # of the zoo (hf-moe's block, 2290 candidates) needs 92 k (0.5 s), gpt2's 4.7 k
+
+
+class Point(NamedTuple):
+    kept_mb: float
+    cost_s: float
+    plan: tuple[Region, ...]
+
+
+def _counted(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
+    """Per storage K counts: (bytes in MB, coverable holders, candidates that keep it); as the ILP's
+    [Keep] reasons (planner/solve.py `_reasons`) of the storages in its `kept` sum."""
+    from .solve import _MB, _reasons
+    sink = len(cg.nodes) - 1
+    out = {}
+    for sid, r in enumerate(_reasons(cg, cands, coverable)):
+        if r is None:
+            continue
+        xs, holders, fixed = r
+        if fixed is not None and fixed != sink:
+            continue
+        by = sorted({j for js in xs.values() for j in js})
+        if holders or by:
+            out[sid] = (cg.storages[sid].bytes * _MB, holders, by)
+    return out
+
+
+def _pareto(points: list[tuple]) -> list[tuple]:
+    """(K, cost, ...) entries no other beats in both, K ascending; the first of equals stays."""
+    out = []
+    for p in sorted(points, key=lambda p: (p[0], p[1])):
+        if not out or p[1] < out[-1][1]:
+            out.append(p)
+    return out
+
+
+def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list[Point] | None:
+    """The exact (K, recompute) Pareto front of `cg` over `cands` (NOTE [ front DP ]), K ascending;
+    K in MB as the segment ILP reads it. Plans in `cg`'s indices. None when the DP would carry more
+    than `work` entries (a count, not a clock: every machine gives up on the same segments)."""
+    n = len(cg.nodes)
+    coverable = [False] * n
+    starts: list[list[int]] = [[] for _ in range(n + 1)]
+    for j, c in enumerate(cands):
+        starts[c.region.start].append(j)
+        for i in range(c.region.start, c.region.end + 1):
+            coverable[i] = True
+    counted = _counted(cg, cands, coverable)
+    by_holder: list[list[int]] = [[] for _ in range(n)]
+    by_cand: list[list[int]] = [[] for _ in cands]
+    last = {}                          # storage -> the last boundary at which a reason can act
+    for sid, (_, holders, js) in counted.items():
+        for h in holders:
+            by_holder[h].append(sid)
+        for j in js:
+            by_cand[j].append(sid)
+        last[sid] = max([*holders, *(cands[j].region.start for j in js)])
+    mb = {sid: v[0] for sid, v in counted.items()}
+
+    # per boundary: state (frozenset of storages kept that a later reason may keep again) -> Pareto
+    # list of (K, cost, plan as a linked list (region, rest) or None)
+    at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
+    at[0][frozenset()] = [(0.0, 0.0, None)]
+
+    def move(b: int, state: frozenset, entries: list, keeps, to: int, region, cost: float) -> None:
+        new = [s for s in keeps if s not in state]
+        add = sum(mb[s] for s in new)
+        nxt = frozenset(s for s in (*state, *new) if last[s] >= to)
+        got = at[to].setdefault(nxt, [])
+        got += [(k + add, c + cost, (region, p) if region is not None else p) for k, c, p in entries]
+
+    carried = 0
+    for b in range(n):
+        for state, entries in at[b].items():
+            entries = _pareto(entries)
+            carried += len(entries) * (1 + len(starts[b]))
+            if carried > work:
+                return None
+            move(b, state, entries, by_holder[b], b + 1, None, 0.0)
+            for j in starts[b]:
+                c = cands[j]
+                move(b, state, entries, by_cand[j], c.region.end + 1, c.region, c.cost_s)
+        at[b] = {}                     # done with: memory back
+    final = _pareto([e for entries in at[n].values() for e in entries])
+    return [Point(k, c, _unlink(p)) for k, c, p in final]
+
+
+def _unlink(p) -> tuple[Region, ...]:
+    out = []
+    while p is not None:
+        out.append(p[0])
+        p = p[1]
+    return tuple(reversed(out))
+
