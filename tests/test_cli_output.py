@@ -72,9 +72,9 @@ def run(*argv, path=(), code: str | None = None) -> subprocess.CompletedProcess:
 def quick_runs(no_numpy, factories):
     """The quick lane's commands, run at once (each pays for importing torch), each as its test ran it."""
     procs = {"bare torch": start(path=[no_numpy], code="import torch"),
-             "main only": start(ROOT / "runtime", "report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy],
+             "main only": start(ROOT / "runtime", "report", "mlp", "--budget", "1GB", "--quiet", path=[no_numpy],
                                 code=_MAIN_ONLY),
-             "remat": start("report", "mlp", "--budget", "50%", "--quiet", path=[no_numpy]),
+             "remat": start("report", "mlp", "--budget", "1GB", "--quiet", path=[no_numpy]),
              "wrong width": start("report", f"{factories}:wrong_width", "--budget", "1GB", "--quiet")}
     return {name: finish(p) for name, p in procs.items()}
 
