@@ -56,6 +56,8 @@ from .simulate import base_liveness, timeline
 
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
 LOW_PEAK = 2         # ... and at how many of the K found the plan of least peak is solved for
+FRONT_OPTIONS = 128  # points of an exact front offered as options, at most (evenly by rank): the chain
+                     # DP's work grows with them (Mixtral's block fronts made it 24 s a call)
 REFINE_SOLVES = 12   # per budget: at most this many more segment ILPs around the options the DP picked
 REFINE_NEAR = 3      # ... for a budget within NEAR_BUDGET of one solved before (the budget correction's
 NEAR_BUDGET = 0.02   # next round: the DP's choice lies where the fronts were refined already)
@@ -261,7 +263,7 @@ class HierarchicalSolver:
                 if not jobs:
                     break
                 plans += [p for p in run_jobs(jobs) if p is not None]
-        self._add(fam, plans + [p.plan for p in fam.exact or ()])
+        self._add(fam, plans + [p.plan for p in _spread(fam.exact or [], FRONT_OPTIONS)])
 
     def _add(self, fam: _Family, plans) -> bool:
         """Offer `plans` to every member of `fam`, scored in its context; whether any was new."""
@@ -443,6 +445,13 @@ class HierarchicalSolver:
             if key(better) < key(regions):
                 regions, label = better, label + "; improved by local search"
         return _ilp.Solution(regions, label, float("nan"), time.perf_counter() - t0)
+
+
+def _spread(points: list, most: int) -> list:
+    """At most `most` of `points`, evenly by rank, both ends kept."""
+    if len(points) <= most:
+        return points
+    return [points[round(i * (len(points) - 1) / (most - 1))] for i in range(most)]
 
 
 def _pareto(options: list[Option]) -> list[Option]:

@@ -119,3 +119,14 @@ def test_a_segment_past_the_work_limit_is_left_to_the_ilp(monkeypatch):
     h = H.HierarchicalSolver(cg, SolveOptions(improve_evals=0))
     assert all(f.exact is None for f in h.families)
     assert any(len(f.front) > 2 for f in h.families)
+
+
+def test_a_long_front_is_offered_evenly_with_both_ends():
+    """Past FRONT_OPTIONS points, the options are spread evenly by rank and keep both ends (the least
+    kept and no regions at all); a short front is offered whole."""
+    from remat.planner.hierarchy import _spread
+    points = list(range(300))
+    got = _spread(points, 128)
+    assert len(got) == 128 and got[0] == 0 and got[-1] == 299 and got == sorted(set(got))
+    assert max(b - a for a, b in zip(got, got[1:])) <= 3
+    assert _spread(points[:50], 128) == points[:50]
