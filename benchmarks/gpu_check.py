@@ -5,12 +5,13 @@ checkpointing every block. One prepared run of a few minutes for a session that 
     python benchmarks/gpu_check.py --out benchmarks/results/DATE-gpu.md      # on a CUDA device
     python benchmarks/gpu_check.py --device cpu --tiny                        # the same code, small, on CPU
 
-Per budget (fractions of the way from the smallest feasible to the unplanned whole-step peak):
+Per budget (fractions of the way from the smallest feasible to the unplanned whole-step peak, and
+with --over-block every block's own measured peak times 1 + m: the same memory as its baseline):
 plan with `plan_and_wrap(model, budget, optimizer=opt)`, train `--steps` whole steps (forward,
 backward, optimizer.step(), zero_grad), and record the allocator's peak of the last one and the
-median step time; then the same model with `gradient checkpointing` of every block (torch's
-non-reentrant checkpoint on each decoder layer) as the baseline. Timings never decide anything
-here: they are printed and saved.
+median step time; before them, the unwrapped model and the same model with every block
+checkpointed (torch's non-reentrant checkpoint on each decoder layer) as the baselines. Timings
+never decide anything here: they are printed and saved.
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small model (to check the script on CPU)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--fractions", nargs="*", type=float, default=[0.2, 0.5, 0.8],
+                    help="budgets as fractions of the way from the smallest feasible to the unplanned peak")
+    ap.add_argument("--over-block", nargs="*", type=float, default=[],
+                    help="budgets at every-block checkpointing's measured peak times (1 + each) (CUDA)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     workspace = library_workspace(device)             # first, in a process that has run nothing yet
@@ -115,14 +120,19 @@ def main(argv=None) -> int:
     except InfeasibleBudgetError as e:
         floor = e.min_feasible_bytes
     rows = []
-    for frac in (0.2, 0.5, 0.8):
-        budget = int(floor + frac * (free.unplanned_peak_bytes - floor))
+    budgets = [(f"{f:.0%}", int(floor + f * (free.unplanned_peak_bytes - floor))) for f in a.fractions]
+    budgets += [(f"every block +{m:.0%}", int(block_peak * (1 + m))) for m in a.over_block if block_peak]
+    for name, budget in budgets:
         t0 = time.perf_counter()
-        w = plan_and_wrap(ex.model, budget / 1e9, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
-                          options=options)
+        try:
+            w = plan_and_wrap(ex.model, budget / 1e9, example_inputs=ex.inputs, loss_fn=ex.loss_fn, optimizer=opt,
+                              options=options)
+        except InfeasibleBudgetError as e:
+            print(f"row {name}: {budget} B is below the smallest feasible {e.min_feasible_bytes} B", flush=True)
+            continue
         plan_s = time.perf_counter() - t0
         peak, step_s = _train(w, ex, opt, a.steps, device)
-        rows.append((f"{frac:.0%}", budget, w.remat.plan.predicted_peak_bytes, peak, step_s, len(w.remat.plan.regions), plan_s,
+        rows.append((name, budget, w.remat.plan.predicted_peak_bytes, peak, step_s, len(w.remat.plan.regions), plan_s,
                      w.remat.plan.peak_phase))
         print("row", rows[-1], flush=True)               # a run cut short still shows what it measured
     lines = [f"# GPU check: {cfg} ({params / 1e9:.2f}B parameters, bf16, AdamW) on "
