@@ -1,6 +1,6 @@
 """The exact Pareto front of a segment's kept bytes K against its recompute, by dynamic
-programming over its node boundaries (pure: no torch, no solver; planner/segment.py's
-`SegmentILP` answers its K-bounded cheapest plans from it).
+programming over its node boundaries (pure: no torch, no solver; planner/hierarchy.py's families
+take their K-bounded cheapest plans from it instead of the segment ILP's).
 
 NOTE [ front DP ]
 A plan is a path over the boundaries 0..n of NOTE [ ILP ]: at boundary b a node is skipped (in no
@@ -9,7 +9,7 @@ segment ILP's `kept`: the bytes of the storages it counts (not outputs, not left
 region covers, except the sink) that some reason keeps: a holder skipped, or a chosen region that
 reads the storage as its input or caches it (SAC). A storage counts once however many reasons
 hold, so the DP's state at a boundary is the set of storages kept already that a later step could
-keep again (`later` reasons at or after the boundary); with no later reason a storage leaves the
+keep again (a reason at or after the boundary: `last`); with no later reason a storage leaves the
 state. Each state holds the Pareto set of (K, recompute) over the paths reaching it, each with its
 plan. The front is the Pareto set of all paths at n: for every level, the cheapest plan keeping at
 most that level is its point of largest K at or below the level, exactly the epsilon-constraint
@@ -23,6 +23,7 @@ from typing import NamedTuple
 from .candidates import Candidate
 from .costgraph import CostGraph
 from .result import Region
+from .solve import _MB, _reasons
 
 
 FRONT_WORK = 2_000_000   # (K, recompute) entries the DP may carry across its boundaries in all; beyond,
@@ -39,7 +40,6 @@ class Point(NamedTuple):
 def _counted(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
     """Per storage K counts: (bytes in MB, coverable holders, candidates that keep it); as the ILP's
     [Keep] reasons (planner/solve.py `_reasons`) of the storages in its `kept` sum."""
-    from .solve import _MB, _reasons
     sink = len(cg.nodes) - 1
     out = {}
     for sid, r in enumerate(_reasons(cg, cands, coverable)):
@@ -91,7 +91,7 @@ def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list
     at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
     at[0][frozenset()] = [(0.0, 0.0, None)]
 
-    def move(b: int, state: frozenset, entries: list, keeps, to: int, region, cost: float) -> None:
+    def move(state: frozenset, entries: list, keeps, to: int, region, cost: float) -> None:
         new = [s for s in keeps if s not in state]
         add = sum(mb[s] for s in new)
         nxt = frozenset(s for s in (*state, *new) if last[s] >= to)
@@ -105,13 +105,20 @@ def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list
             carried += len(entries) * (1 + len(starts[b]))
             if carried > work:
                 return None
-            move(b, state, entries, by_holder[b], b + 1, None, 0.0)
+            move(state, entries, by_holder[b], b + 1, None, 0.0)
             for j in starts[b]:
                 c = cands[j]
-                move(b, state, entries, by_cand[j], c.region.end + 1, c.region, c.cost_s)
+                move(state, entries, by_cand[j], c.region.end + 1, c.region, c.cost_s)
         at[b] = {}                     # done with: memory back
     final = _pareto([e for entries in at[n].values() for e in entries])
     return [Point(k, c, _unlink(p)) for k, c, p in final]
+
+
+def cheapest(points: list[Point], below: float) -> Point | None:
+    """The segment ILP's optimum keeping at most `below` MB, read off its front: the point of largest
+    K at or below the level (the cheapest such); None when every plan keeps more."""
+    got = [p for p in points if p.kept_mb <= below + 1e-9]
+    return got[-1] if got else None
 
 
 def _unlink(p) -> tuple[Region, ...]:

@@ -47,7 +47,7 @@ from .blocks import Segment, segments
 from .candidates import FULL_PAIRS, candidates
 from .chain import chain_dp, chain_min_peak
 from .costgraph import CostGraph
-from .front import front
+from .front import cheapest, front
 from .improve import Search, improve, search
 from .options import SolveOptions
 from .result import Region
@@ -158,8 +158,8 @@ class _Family:
             self.front.insert(self.front.index(below) + 1, (k, c, plan))   # other jobs split other gaps
             return plan
         if self.exact is not None:          # the exact front's answer: no CBC run
-            got = [p for p in self.exact if p.kept_mb <= mid + 1e-9]
-            return Job(self, lambda _: (got[-1].plan, got[-1].kept_mb) if got else None, take, ilp=False)
+            got = cheapest(self.exact, mid)
+            return Job(self, lambda _: None if got is None else (got.plan, got.kept_mb), take, ilp=False)
         return Job(self, lambda ilp: ilp.cheapest(mid, start=below[2]), take)
 
     def least_peak(self, at: int) -> "Job":
@@ -201,8 +201,8 @@ def run_jobs(jobs: list[Job]) -> list:
     else:
         with ThreadPoolExecutor(len(on_ilp)) as pool:
             solved = list(pool.map(lambda job, ilp: job.solve(ilp), on_ilp, ilps))
-    by_job = dict(zip(map(id, on_ilp), solved))
-    return [job.take(by_job[id(job)] if job.ilp else job.solve(None)) for job in jobs]
+    solved = iter(solved)                    # in the jobs' order
+    return [job.take(next(solved) if job.ilp else job.solve(None)) for job in jobs]
 
 
 class HierarchicalSolver:

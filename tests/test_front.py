@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from remat.planner.blocks import segments
-from remat.planner.front import front
+from remat.planner.front import cheapest, front
 from remat.planner.hierarchy import HierarchicalSolver
 from remat.planner.options import SolveOptions
 from remat.planner.segment import SegmentILP
@@ -87,9 +87,9 @@ def test_the_front_answers_what_the_segment_ilp_answers(seed):
         ks = [p.kept_mb for p in got]
         levels = ks + [(a + b) / 2 for a, b in zip(ks, ks[1:])]
         for level in levels:
-            ours = [p for p in got if p.kept_mb <= level + 1e-9][-1]    # the largest K within the level
+            ours = cheapest(got, level)
             theirs = ilp.cheapest(level)
-            assert theirs is not None
+            assert theirs is not None and ours is not None
             assert fam.rep.score(ours.plan).cost_s == pytest.approx(fam.rep.score(theirs[0]).cost_s, rel=1e-9, abs=1e-12)
             assert ours.kept_mb <= level + 1e-9
 
