@@ -51,6 +51,13 @@ class ExactReplay:
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
         self.seconds = 0.0                      # spent replaying
+        # the profile's metered peak of the step without checkpointing, as `_replay` would add to
+        # it: planner.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
+        # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
+        meta = analysis.cost_graph.meta
+        self.unplanned_guess = None if meta.get("measured_peak_bytes") is None \
+            or meta.get("accumulation_steps", 1) > 1 else max(
+            meta["measured_peak_bytes"] + meta.get("optimizer_state_bytes", 0), base_liveness(analysis.cost_graph).opt)
 
     def __call__(self, regions) -> int:
         key = tuple(regions)
