@@ -40,7 +40,9 @@ simulator's correction (step 5) takes care of it.
 """
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_right
 
 from .segment import Option
 
@@ -50,20 +52,13 @@ DP_STATES = 3000     # states the chain DP keeps per segment (beyond that, the c
 def chain_dp(options: list[list[Option]], budget: int) -> tuple[float, list[int]] | None:
     """One option per segment, least total cost, with every segment's kept-so-far + M within
     `budget` (NOTE [ chain ]): (cost, option index per segment), or None when none fits. The
-    states per segment are the Pareto front of (bytes kept so far, cost)."""
-    states = [(0, 0.0, -1, -1)]          # (kept so far, cost, previous state, option)
+    states per segment are the Pareto front of (bytes kept so far, cost): NOTE [ chain merge ]."""
+    states = [(0, 0.0, -1, -1)]          # (kept so far, cost, previous state, option), kept ascending
     trail = []
     for opts in options:
-        nxt = [(k + o.kept, c + o.cost_s, si, oi) for si, (k, c, _, _) in enumerate(states)
-               for oi, o in enumerate(opts) if k + o.peak <= budget]
-        if not nxt:
+        front = _next_front(states, opts, budget)
+        if not front:
             return None
-        nxt.sort()                       # ties in (kept, cost): the first made first, as made
-        front, best = [], math.inf
-        for e in nxt:                    # less kept, less cost
-            if e[1] < best - 1e-15:
-                front.append(e)
-                best = e[1]
         if len(front) > DP_STATES:       # the cheapest per bucket of kept bytes
             lo, hi = front[0][0], front[-1][0]
             width = max(1, (hi - lo) // DP_STATES + 1)
@@ -81,6 +76,46 @@ def chain_dp(options: list[list[Option]], budget: int) -> tuple[float, list[int]
         _, _, i, oi = front[i]
         choice.append(oi)
     return cost, choice[::-1]
+
+
+# NOTE [ chain merge ]
+# A segment's next states are the Pareto front of every (state, option) pair that fits: (kept +
+# option's kept, cost + option's cost), in the order of (kept, cost, state, option), each kept only
+# when it costs less (by 1e-15) than the last one kept. Per option, the pairs are a run over a prefix
+# of the states (those the option fits after: kept ascending), kept ascending and cost descending.
+# The runs are merged by a heap in that same order, and a run skips (bisection on the states'
+# costs, then an exact check either way: a float sum is monotone) the pairs that cost no less than
+# the last one kept, which the front would drop anyway: the same front as sorting all the pairs,
+# from a fifth of them (a Llama-2-7B's 34 segments, 51 options each: 6.0 M pairs in a budget's 8
+# calls, 1.3 M popped; 5.2 -> 1.2 s).
+def _next_front(states: list[tuple], opts: list[Option], budget: int) -> list[tuple]:
+    ks = [s[0] for s in states]
+    neg = [-s[1] for s in states]        # ascending: costs descend along the states
+    heap = []
+    for oi, o in enumerate(opts):
+        fit = bisect_right(ks, budget - o.peak)
+        if fit:
+            heap.append((states[0][0] + o.kept, states[0][1] + o.cost_s, 0, oi, fit, o.kept, o.cost_s))
+    heapq.heapify(heap)
+    front, best = [], math.inf
+    while heap:
+        kept, cost, si, oi, fit, ko, co = heap[0]
+        if cost < best - 1e-15:
+            front.append((kept, cost, si, oi))
+            best = cost
+            si += 1
+        if si < fit:                     # the first state left whose pair costs less than `best`
+            j = max(si, min(fit, bisect_right(neg, co - best + 1e-15, si, fit)))
+            while j > si and states[j - 1][1] + co < best - 1e-15:
+                j -= 1
+            while j < fit and not states[j][1] + co < best - 1e-15:
+                j += 1
+            si = j
+        if si < fit:
+            heapq.heapreplace(heap, (states[si][0] + ko, states[si][1] + co, si, oi, fit, ko, co))
+        else:
+            heapq.heappop(heap)
+    return front
 
 
 def chain_min_peak(options: list[list[Option]]) -> int:
