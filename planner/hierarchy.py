@@ -69,9 +69,12 @@ POLISH_CANDIDATES = 2000         # the flat ILP over the options' regions (tiled
                                  # boundaries) runs when there are at most this many of them (the
                                  # exact fronts' options made gpt2's 1421 of 1500 more than 1500:
                                  # unpolished, its floor rose 2%) ...
-POLISH_NODES = 1000              # ... for at most this many branch-and-bound nodes: warm-started from
+POLISH_NODES = 100               # ... for at most this many branch-and-bound nodes: warm-started from
                                  # the chain's plan, it stops at this limit well before CBC's time
-                                 # limit, so that a busy machine gets the same plan
+                                 # limit, so that a busy machine gets the same plan (at 1000, 100
+                                 # and 0: the same plans on 15 hierarchical rows of benchmarks/
+                                 # plan_time.py at 1000 and 100, hf-bert 0.7 points dearer at 0;
+                                 # gpt2 u=0.75 7.2 -> 5.6 s at 100)
 LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
 LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
 LOCAL_SEARCH_BUDGETED = 4      # ... a quarter of that after a solve for a budget: the chain's plan polished
