@@ -74,7 +74,10 @@ POLISH_NODES = 100               # ... for at most this many branch-and-bound no
                                  # limit, so that a busy machine gets the same plan (at 1000, 100
                                  # and 0: the same plans on 15 hierarchical rows of benchmarks/
                                  # plan_time.py at 1000 and 100, hf-bert 0.7 points dearer at 0;
-                                 # gpt2 u=0.75 7.2 -> 5.6 s at 100)
+                                 # gpt2 u=0.75 7.2 -> 5.6 s at 100) ...
+POLISH_SEARCH = ("heuristics off",)  # ... without CBC's primal heuristics (a budget's polish: warm-
+                                 # started, its root heuristics took 1.4 s of gpt2 u=0.75's 2.4 s
+                                 # polish and changed nothing: the same plans and floors on those 15 rows)
 LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
 LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
 LOCAL_SEARCH_BUDGETED = 4      # ... a quarter of that after a solve for a budget: the chain's plan polished
@@ -411,7 +414,8 @@ class HierarchicalSolver:
         if compact is not None:
             sol = _ilp.solve_ilp(self.cg, budget_bytes, replace(opts, improve_evals=0,
                                                                 max_nodes=min(opts.max_nodes, POLISH_NODES)),
-                                 warm_start=best[1] if best else (), cands=compact, ctx=self.ctx)
+                                 warm_start=best[1] if best else (), cands=compact, ctx=self.ctx,
+                                 cbc_options=POLISH_SEARCH)
             if sol is not None and (best is None or timeline(self.cg, sol.regions).recompute_s < best[0]):
                 best, label = (timeline(self.cg, sol.regions).recompute_s, sol.regions), label + "; polished by the ILP"
         if best is None:

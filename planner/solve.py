@@ -313,16 +313,17 @@ def _lp_gap(m: Model, objective: float, opts: SolveOptions) -> float:
 
 def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOptions(),
               warm_start: tuple[Region, ...] = (), cands: list[Candidate] | None = None,
-              ctx: Search | None = None) -> Solution | None:
+              ctx: Search | None = None, cbc_options: tuple[str, ...] = ()) -> Solution | None:
     """Least-recompute regions whose simulated peak fits `budget_bytes` (the ILP's memory model is
     the simulator's, up to CBC's tolerance of about a byte per MB), then local search
-    (`improve_evals`); None when no plan fits. `cands`, `ctx`: the graph's, when already made."""
+    (`improve_evals`); None when no plan fits. `cands`, `ctx`: the graph's, when already made;
+    `cbc_options`: more of CBC's options (PLAIN_SEARCH's)."""
     ctx = ctx or search(cg, opts.sac)
     cands = candidates(cg, opts, ctx.space) if cands is None else cands
     m = _model(cg, cands, budget_bytes)
     m.prob.setObjective(m.cost)
     set_start(cands, m.x, m.y, warm_start)
-    solve_s, status, sol = _run(m.prob, opts, bool(warm_start))
+    solve_s, status, sol = _run(m.prob, opts, bool(warm_start), extra=cbc_options)
     if sol not in _SOLVED:
         return None
     obj = (pulp.value(m.cost) or 0.0) / _US
