@@ -187,6 +187,8 @@ def main(argv=None) -> None:
         rows += run(name, args.fractions, flat, PlanOptions(target_device=args.target_device))
     if args.out:
         out = pathlib.Path(args.out)
+        if not out.suffix:
+            out = out.with_suffix(".md")
         if out.parent == pathlib.Path("."):
             out = ROOT / "benchmarks" / "results" / out
         out.write_text(appended(out.read_text(), rows, argv) if args.append and out.exists() else markdown(rows, argv))
