@@ -93,24 +93,18 @@ class SearchSpace:
             if s.bytes > 0:
                 for u in set(s.users):
                     self.reads[u].append(sid)
-        self._mutated_reads: dict[int, list] = {}
-        for s in cg.storages:
-            if s.mutated_by:
-                for u in s.users:
-                    self._mutated_reads.setdefault(u, []).append(s)
+        # (reader, producer, last writer) of every read of a storage some node writes, readers ascending
+        self._written = sorted((u, s.producer, max(s.mutated_by)) for s in cg.storages if s.mutated_by
+                               for u in s.users)
         self._bad_from: dict[int, int] = {}
         self._cache: dict[Region, Candidate | None] = {}
-
-    def _written_late(self, a: int, j: int) -> bool:
-        """Node j reads a storage made before a that some node >= a writes."""
-        return any(s.producer < a and max(s.mutated_by) >= a for s in self._mutated_reads.get(j, ()))
 
     def valid(self, a: int, b: int) -> bool:
         if a > b or not all(self.ok[a:b + 1]) or not same_unit(self.cg, a, b):
             return False
-        if a not in self._bad_from:
-            n = len(self.cg.nodes)
-            self._bad_from[a] = next((j for j in range(a, n) if self._written_late(a, j)), n)
+        if a not in self._bad_from:    # the first node >= a reading a storage made before a that a node >= a writes
+            self._bad_from[a] = next((j for j, made, written in self._written if j >= a and made < a <= written),
+                                     len(self.cg.nodes))
         return self._bad_from[a] > b
 
     def heavy(self, a: int, b: int) -> tuple[int, ...]:
