@@ -30,7 +30,7 @@ from .opaque import stand_in, step_held
 from .rates import DeviceRates
 from .simulate import timeline
 from .step import FakeState, fake_step, model_loss, run_step, training_loss
-from .storage import LiveBytes, fake_twin, unlinked
+from .storage import LiveBytes, fake_twin, tensors_in, unlinked
 from .trace import placeholder_values
 
 LOSS = "loss"
@@ -171,9 +171,8 @@ class _ProfileMode(LiveBytes):
             if draws_random(func, args, kwargs, self.deterministic_ops):
                 self.random.add(self.node)
             written = written_args(func, args, kwargs)
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    self._read(t, id(t) in written)
+            for t in tensors_in((args, kwargs)):
+                self._read(t, id(t) in written)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _read(self, t: torch.Tensor, write: bool) -> None:
