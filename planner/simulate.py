@@ -91,6 +91,13 @@ def last_reader(s) -> int:
 
 
 def base_liveness(cg: CostGraph) -> Base:
+    got = cg.memo.get("base")
+    if got is None:
+        got = cg.memo["base"] = _base_liveness(cg)
+    return got
+
+
+def _base_liveness(cg: CostGraph) -> Base:
     n = len(cg.nodes)
     fwd_d, bwd_d, between = [0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
     for s in cg.storages:
@@ -194,6 +201,13 @@ def runs_top(cg: CostGraph, top: int) -> bool:
 
 def region_recompute(cg: CostGraph, r: Region) -> Recompute:
     """Working set per node of R in backward, top(R), the recompute's own peak, and its cost."""
+    got = cg.memo.get(r)
+    if got is None:
+        got = cg.memo[r] = _region_recompute(cg, r)
+    return got
+
+
+def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
     size = r.end - r.start + 1
     saved = set(r.saved)
     inside = [s for i in range(r.start, r.end + 1) if i not in saved for s in cg.made_by[i]]
