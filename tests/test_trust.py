@@ -702,3 +702,18 @@ def test_a_layer_norm_model_under_autocast_fits_as_predicted():
         _same_autocast_step(copy.deepcopy(model), wrapped, (x,), _square, True)
         measured = peak_memory(lambda: _autocast_step(wrapped, (x,), _square, True), wrapped, x)
         assert measured == wrapped.remat.plan.predicted_peak_bytes <= budget
+
+
+def test_the_dispatch_modes_find_the_tensors_pytree_finds():
+    """planner/storage.py tensors_in (the meter's hot path) against pytree's leaves: the same
+    tensors in the same order, through tuples, lists, dicts, named tuples and nesting."""
+    from collections import namedtuple
+    from remat.planner.compat import tree_flatten
+    from remat.planner.storage import tensors_in
+    a, b, c = torch.randn(2), torch.randn(3), torch.randn(1)
+    Pair = namedtuple("Pair", "x y")
+    for tree in [(), a, (a, [b, 1, None], {"k": c, "n": 2.0}), ([(a,), [[b]]], {}), (Pair(a, b), [c, "s"]),
+                 ((a, b), {"out": [c, a], "dtype": torch.float32}), (torch.Size([2, 3]), a), {"z": a, "b": b, "a": c}]:
+        want = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+        got = tensors_in(tree)
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), tree
