@@ -105,7 +105,7 @@ def _next_front(states: list[tuple], opts: list[Option], budget: int) -> list[tu
             best = cost
             si += 1
         if si < fit:                     # the first state left whose pair costs less than `best`
-            j = max(si, min(fit, bisect_right(neg, co - best + 1e-15, si, fit)))
+            j = bisect_right(neg, co - best + 1e-15, si, fit)
             while j > si and states[j - 1][1] + co < best - 1e-15:
                 j -= 1
             while j < fit and not states[j][1] + co < best - 1e-15:

@@ -41,12 +41,6 @@ class Measure(Protocol):
     def __call__(self, regions: tuple[Region, ...]) -> int: ...
 
 
-def unplanned_guess(measure: Measure | None) -> int | None:
-    """The measure's own cheap figure for the step without checkpointing, where it has one (the
-    exact replay's: the profile metered that step already): NOTE [ unplanned guess ]."""
-    return getattr(measure, "unplanned_guess", None)
-
-
 class Choice(NamedTuple):
     """A plan chosen for an effective budget, before its numbers are filled in."""
     regions: tuple[Region, ...]
@@ -78,9 +72,9 @@ class _Problem(NamedTuple):
         return math.ceil(self.measure(regions) * self.margin)
 
     def guessed_unplanned(self) -> int:
-        """The step without checkpointing as measured: its guess where the measure has one (NOTE
-        [ unplanned guess ]), else its replay."""
-        guess = unplanned_guess(self.measure)
+        """The step without checkpointing as measured: the measure's own cheap figure for it where
+        it has one (`unplanned_guess`, NOTE [ unplanned guess ]), else its replay."""
+        guess = getattr(self.measure, "unplanned_guess", None)
         return self.measured(()) if guess is None else math.ceil(guess * self.margin)
 
     @property

@@ -236,44 +236,25 @@ def test_chain_dp_takes_the_cheapest_mix():
     assert chain_dp([o, o], 11) is None
 
 
-def _chain_by_sorting(options, budget, states_cap):
-    """NOTE [ chain merge ]'s definition: every pair that fits, sorted, filtered (the oracle)."""
-    import math as _m
-    states, trail = [(0, 0.0, -1, -1)], []
-    for opts in options:
-        nxt = sorted((k + o.kept, c + o.cost_s, si, oi) for si, (k, c, _, _) in enumerate(states)
-                     for oi, o in enumerate(opts) if k + o.peak <= budget)
-        front, best = [], _m.inf
-        for e in nxt:
-            if e[1] < best - 1e-15:
-                front.append(e)
-                best = e[1]
-        if not front:
-            return None
-        if len(front) > states_cap:
-            lo, hi = front[0][0], front[-1][0]
-            width = max(1, (hi - lo) // states_cap + 1)
-            buckets = {}
-            for e in front:
-                b = (e[0] - lo) // width
-                if b not in buckets or e[1] < buckets[b][1]:
-                    buckets[b] = e
-            front = sorted(buckets.values())
-        trail.append(front)
-        states = front
-    i = min(range(len(states)), key=lambda j: states[j][1])
-    cost, choice = states[i][1], []
-    for front in reversed(trail):
-        choice.append(front[i][3])
-        i = front[i][2]
-    return cost, choice[::-1]
+def _front_by_sorting(states, opts, budget):
+    """NOTE [ chain merge ]'s definition of a segment's next states: every pair that fits, sorted,
+    each kept when it costs less than the last one kept (the oracle)."""
+    nxt = sorted((k + o.kept, c + o.cost_s, si, oi) for si, (k, c, _, _) in enumerate(states)
+                 for oi, o in enumerate(opts) if k + o.peak <= budget)
+    front, best = [], math.inf
+    for e in nxt:
+        if e[1] < best - 1e-15:
+            front.append(e)
+            best = e[1]
+    return front
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_chain_dp_is_the_front_of_every_pair_and_the_optimum(seed, monkeypatch):
-    """planner/chain.py NOTE [ chain merge ]: the heap merge makes exactly the states (ties
-    included: integer costs, repeated options) that sorting every pair makes, bucketed or not; and
-    unbucketed, its cost is the least over every choice of one option per segment."""
+    """planner/chain.py NOTE [ chain merge ]: at every segment of every DP, bucketed or not, the
+    heap merge makes exactly the states (ties included: integer costs, repeated options) that
+    sorting every pair makes; and unbucketed, the DP's cost is the least over every choice of one
+    option per segment."""
     import itertools
     import remat.planner.chain as chain
     from remat.planner.segment import Option
@@ -289,15 +270,24 @@ def test_chain_dp_is_the_front_of_every_pair_and_the_optimum(seed, monkeypatch):
         best = min((sum(o.cost_s for o in pick) for pick in itertools.product(*options)
                     if all(sum(p.kept for p in pick[:i]) + o.peak <= budget for i, o in enumerate(pick))),
                    default=None)
+        merged = chain._next_front
+        calls = []
+
+        def checked(states, opts, budget):
+            got = merged(states, opts, budget)
+            assert got == _front_by_sorting(states, opts, budget)
+            calls.append(len(states))
+            return got
         for cap in (chain.DP_STATES, 3):
             monkeypatch.setattr(chain, "DP_STATES", cap)
+            monkeypatch.setattr(chain, "_next_front", checked)
             got = chain_dp(options, budget)
-            assert got == _chain_by_sorting(options, budget, cap)
             if cap > 3:
                 assert (got is None) == (best is None)
                 if got is not None:
                     assert got[0] == pytest.approx(best)
             monkeypatch.undo()
+        assert calls                            # the merge was checked on every segment it ran
 
 
 def test_solve_plan_takes_the_hierarchical_path_on_large_graphs_of_blocks():
