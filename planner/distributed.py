@@ -43,8 +43,10 @@ Staged collectives (Sharding.staged: gloo, on CPU): an all-gather stages through
 size of its output and a reduce-scatter through one the size of its input (measured on torch
 2.13.0), so the prefetched unit's all-gather counts twice at the node where it is issued (U's
 last, whose backward starts U's; the root's last node for the first unit of backward), and the
-reduce-scatter holds its input, output and temporary (2 g_U + s_U, the gradients freed). An
-all-gather runs in gloo's thread: on a loaded machine its temporary can outlive that node.
+reduce-scatter holds its input, output and temporary (2 g_U + s_U, the gradients freed). Both
+are waited for in the node that issues them; a temporary gloo's worker thread frees after that
+wait is freed unseen by the profiler, and the measure bounds it (NOTE [ unseen frees ] in
+runtime/measure/peak.py).
 DDP: every rank holds the whole model; its gradient buckets (the reducer's flat copies of the
 gradients, allocated at construction) are live throughout: F' = F + buckets.
 """
