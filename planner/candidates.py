@@ -98,6 +98,7 @@ class SearchSpace:
                                for u in s.users)
         self._bad_from: dict[int, int] = {}
         self._cache: dict[Region, Candidate | None] = {}
+        self._got: dict[tuple[int, int, bool], Candidate | None] = {}
 
     def valid(self, a: int, b: int) -> bool:
         if a > b or not all(self.ok[a:b + 1]) or not same_unit(self.cg, a, b):
@@ -119,10 +120,14 @@ class SearchSpace:
         return [Region(a, b)] + ([Region(a, b, h)] if h and len(h) < b - a + 1 else [])
 
     def get(self, a: int, b: int, sac: bool) -> Candidate | None:
-        """Region a..b, plain or (`sac`) keeping its heavy nodes; None if not a candidate."""
-        rs = self.variants(a, b)
-        r = rs[1] if sac and len(rs) > 1 else (rs[0] if rs and not sac else None)
-        return None if r is None else self.candidate(r)
+        """Region a..b, plain or (`sac`) keeping its heavy nodes; None if not a candidate (kept:
+        local search asks for the same ranges over and over)."""
+        key = (a, b, sac)
+        if key not in self._got:
+            rs = self.variants(a, b)
+            r = rs[1] if sac and len(rs) > 1 else (rs[0] if rs and not sac else None)
+            self._got[key] = None if r is None else self.candidate(r)
+        return self._got[key]
 
     def candidate(self, r: Region) -> Candidate | None:
         if r not in self._cache:
@@ -166,7 +171,7 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
                 inner = [h for h in s.holders if h in region]
                 caches.append(sid)
                 release.append(min(inner) if inner and i <= rc.top else region.start)
-            elif s.bytes > 0 and s.holders and all(h in region for h in s.holders):
+            elif s.bytes > 0 and s.holders and region.start <= min(s.holders) and max(s.holders) <= region.end:
                 drops.append(sid)
     if not drops and not any(cg.storages[sid].bytes > 0 and not cg.storages[sid].output
                              for i in range(region.start, region.end + 1) if i not in saved

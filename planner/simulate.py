@@ -208,22 +208,22 @@ def region_recompute(cg: CostGraph, r: Region) -> Recompute:
 
 
 def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
-    size = r.end - r.start + 1
+    size, lo, hi = r.end - r.start + 1, r.start, r.end
     saved = set(r.saved)
-    inside = [s for i in range(r.start, r.end + 1) if i not in saved for s in cg.made_by[i]]
-    recomputed = [s for s in inside if any(h in r for h in s.holders)]
-    passing = [s for s in inside if not any(h in r for h in s.holders)]
+    inside = [s for i in range(lo, hi + 1) if i not in saved for s in cg.made_by[i]]
+    held = [[h for h in s.holders if lo <= h <= hi] for s in inside]      # each one's holders in r
+    recomputed = [(s, h) for s, h in zip(inside, held) if h]
+    passing = [s for s, h in zip(inside, held) if not h]
     if not recomputed:
         return Recompute((0,) * size, None, 0, 0, 0.0)
-    top = max(h for s in recomputed for h in s.holders if h in r)
+    top = max(max(h) for _, h in recomputed)
     diff = [0] * (size + 1)
-    for s in recomputed:
-        low = min(h for h in s.holders if h in r)
-        _prefix_add(diff, low - r.start, top - r.start, s.bytes)
+    for s, h in recomputed:
+        _prefix_add(diff, min(h) - lo, top - lo, s.bytes)
     work = _cumsum(diff)
     # the recomputation's forward, r.start..top: recomputed so far + intermediates still to be read
     live = [0] * (size + 1)
-    for s in recomputed:
+    for s, _ in recomputed:
         _prefix_add(live, s.producer + 1 - r.start, size - 1, s.bytes)
     for s in passing:
         _prefix_add(live, s.producer + 1 - r.start, min(last_reader(s), r.end) - r.start, s.bytes)
