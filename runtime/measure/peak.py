@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable
 
@@ -82,20 +83,22 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
 # of its top-level event (the autograd node or op that made it) when that comes first; one made
 # inside a c10d collective and still held at the step's end, at the end of its top-level event.
 
-def _memory_events(tree) -> list[tuple[int, int, int, int, bool]]:
+def _memory_events(tree) -> list[tuple[int, int, int, float, bool]]:
     """(time, address, bytes, end of the top-level event around it, made inside a c10d op) per
-    profiler memory event, in time order."""
-    out, stack = [], [(root, root.end_time_ns, False) for root in tree]
+    profiler memory event, in time order; an allocation outside any event has no such end (inf:
+    its unseen free is bounded by the reuse of its address only)."""
+    out, stack = [], [(root, None, False) for root in tree]
     while stack:
         ev, top_end, c10d = stack.pop()
         if type(ev.extra_fields).__name__ == "_ExtraFields_Allocation":
-            out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size, top_end, c10d))
+            out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
+                        math.inf if top_end is None else top_end, c10d))
         c10d = c10d or ev.name.startswith("c10d::")
-        stack += [(c, top_end, c10d) for c in ev.children]
+        stack += [(c, ev.end_time_ns if top_end is None else top_end, c10d) for c in ev.children]
     return sorted(out, key=lambda e: e[0])
 
 
-def held_peak(events: list[tuple[int, int, int, int, bool]]) -> int:
+def held_peak(events: list[tuple[int, int, int, float, bool]]) -> int:
     """The peak of the running sum of `events` ((time, address, bytes, top-level end, in a c10d
     op), time-ordered; bytes < 0 a free), each free the profiler missed put back at its bound
     (NOTE [ unseen frees ])."""
