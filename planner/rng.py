@@ -44,7 +44,10 @@ def host_rng_moved(before: tuple) -> bool:
     only where it was imported then."""
     if random.getstate() != before[0]:
         return True
-    return before[1] is not None and repr(sys.modules["numpy"].random.get_state()) != repr(before[1])
+    if before[1] is None:
+        return False
+    now = sys.modules["numpy"].random.get_state()       # (name, keys: an array, pos, has_gauss, gauss)
+    return now[0] != before[1][0] or not (now[1] == before[1][1]).all() or now[2:] != before[1][2:]
 
 
 def set_host_rng_state(state: tuple) -> None:

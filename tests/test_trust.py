@@ -757,3 +757,23 @@ def test_the_allocator_peak_puts_back_the_frees_the_profiler_misses(seed):
     assert held_peak(seen) == true and held_peak(hidden) >= true
     seen, hidden, true = _step_events(seed, slack=0)
     assert len(hidden) < len(seen) and held_peak(hidden) == held_peak(seen) == true
+
+
+def test_host_rng_moved_sees_every_draw_from_python_and_numpy():
+    """planner/rng.py host_rng_moved (capture's check that forward froze no host randomness):
+    numpy's state compared field by field, its Gaussian cache included; a reseed to the same
+    state is no draw."""
+    import numpy as np
+    from remat.planner.rng import host_rng_moved, host_rng_state
+    draws = [lambda: np.random.rand(), lambda: np.random.randn(), lambda: random.random(),
+             lambda: np.random.randint(3), lambda: np.random.seed(1)]
+    for draw in draws:
+        np.random.seed(0), random.seed(0)
+        before = host_rng_state()
+        assert not host_rng_moved(before)
+        draw()
+        assert host_rng_moved(before)
+    np.random.seed(0)
+    before = host_rng_state()
+    np.random.rand(), np.random.seed(0)
+    assert not host_rng_moved(before)
