@@ -25,7 +25,8 @@ Columns: graph nodes, analyze and solve seconds (wall clock, this machine; the s
 seconds, CBC's included, beside it: the machine may be shared), the unplanned and planned peaks
 (predicted), recomputed FLOPs as a share of the forward's (and checkpointing every block's), the
 estimated extra compute (recompute seconds over forward seconds, roofline estimate), and the
-solver's status.
+solver's status. Every solve is cold: remat's caches are off (REMAT_CACHE=0, unless set), so that
+no CBC result stored by an earlier run is read back (planner/cbc.py NOTE [ solved once ]).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import time
 
 import torch
 
+os.environ.setdefault("REMAT_CACHE", "0")      # cold solves: no stored CBC result read back
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
