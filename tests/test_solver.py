@@ -287,9 +287,11 @@ def test_local_search_keeps_the_budget_and_never_costs_more(seed):
         assert low.peak_bytes >= min(t.peak_bytes for t, _ in plans)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_local_search_scores_plans_as_the_simulator_does(seed):
-    cg = random_graph(300 + seed, n=9)
+@pytest.mark.parametrize("seed,n", [(s, 9) for s in range(4)] + [(s, 30) for s in range(4, 8)])
+def test_local_search_scores_plans_as_the_simulator_does(seed, n):
+    """improve.Judge (the empty plan's releases, changed where a region covers a first holder)
+    against the simulator, on random plans of random graphs, SAC regions among them."""
+    cg = random_graph(300 + seed, n=n)
     cands = candidates(cg, EVERY)
     judge, rng = Judge(cg), random.Random(seed)
     for _ in range(30):
