@@ -224,9 +224,9 @@ def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
     # the recomputation's forward, r.start..top: recomputed so far + intermediates still to be read
     live = [0] * (size + 1)
     for s, _ in recomputed:
-        _prefix_add(live, s.producer + 1 - r.start, size - 1, s.bytes)
+        _prefix_add(live, s.producer + 1 - lo, size - 1, s.bytes)
     for s in passing:
-        _prefix_add(live, s.producer + 1 - r.start, min(last_reader(s), r.end) - r.start, s.bytes)
+        _prefix_add(live, s.producer + 1 - lo, min(last_reader(s), hi) - lo, s.bytes)
     live = _cumsum(live)
     peak = max(live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in range(r.start, top + 1))
     todo = [j for j in range(r.start, top + 1 if runs_top(cg, top) else top) if j not in saved]

@@ -289,8 +289,8 @@ def test_local_search_keeps_the_budget_and_never_costs_more(seed):
 
 @pytest.mark.parametrize("seed,n", [(s, 9) for s in range(4)] + [(s, 30) for s in range(4, 8)])
 def test_local_search_scores_plans_as_the_simulator_does(seed, n):
-    """improve.Judge (the empty plan's releases, changed where a region covers a first holder)
-    against the simulator, on random plans of random graphs, SAC regions among them."""
+    """improve.Judge, the local search's peak, against the simulator on random plans of random
+    graphs of 9 and 30 nodes, SAC regions among them."""
     cg = random_graph(300 + seed, n=n)
     cands = candidates(cg, EVERY)
     judge, rng = Judge(cg), random.Random(seed)

@@ -719,7 +719,6 @@ def test_the_dispatch_modes_find_the_tensors_pytree_finds():
         assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), tree
 
 
-
 def _step_events(seed: int, slack: int) -> tuple[list, list, int]:
     """A random step's allocator events (time, address, bytes, top-level end, in a c10d op), from
     12 addresses (so addresses are reused), and the same events with the frees of some

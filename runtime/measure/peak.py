@@ -7,6 +7,7 @@ import os
 from typing import Callable
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from remat.planner.compat import tree_flatten
 
@@ -90,7 +91,7 @@ def _memory_events(tree) -> list[tuple[int, int, int, float, bool]]:
     out, stack = [], [(root, None, False) for root in tree]
     while stack:
         ev, top_end, c10d = stack.pop()
-        if type(ev.extra_fields).__name__ == "_ExtraFields_Allocation":
+        if ev.tag == _EventType.Allocation:
             out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
                         math.inf if top_end is None else top_end, c10d))
         c10d = c10d or ev.name.startswith("c10d::")
@@ -105,14 +106,14 @@ def held_peak(events: list[tuple[int, int, int, float, bool]]) -> int:
     deltas, held = [], {}
     for t, ptr, nbytes, end, c10d in events:
         if nbytes > 0 and ptr in held:                 # the earlier allocation here was freed unseen
-            _, before, before_end, _ = held.pop(ptr)
+            before, before_end, _ = held.pop(ptr)
             deltas.append((min(before_end, t), -before))
         if nbytes > 0:
-            held[ptr] = (t, nbytes, end, c10d)
+            held[ptr] = (nbytes, end, c10d)
         else:
             held.pop(ptr, None)
         deltas.append((t, nbytes))
-    deltas += [(end, -nbytes) for _, nbytes, end, c10d in held.values() if c10d]
+    deltas += [(end, -nbytes) for nbytes, end, c10d in held.values() if c10d]
     running = peak = 0
     for _, d in sorted(deltas, key=lambda d: d[0]):
         running += d
