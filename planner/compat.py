@@ -6,6 +6,7 @@ runtime/distributed/fsdp.py alone (its docstring). Public torch APIs are importe
 from __future__ import annotations
 
 import torch
+import torch.utils.flop_counter
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
                                            UnsupportedOperatorException)
@@ -18,7 +19,7 @@ CHECKED_ON = "2.13.0"
 
 __all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
 
@@ -48,3 +49,28 @@ def fake_store():
     when a job is planned from one process, not before."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     return FakeStore()
+
+
+class _NoModules:
+    """What FlopCounterMode's counting reads of its module tracker when only the total is wanted."""
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
+
+
+class TotalFlops(torch.utils.flop_counter.FlopCounterMode):
+    """FlopCounterMode counting the step's total only (`get_total_flops`), without its module
+    tracker (its private `mod_tracker`): that tracker puts a multi-grad hook on every module's
+    outputs, which holds the gradients of all of them until the last is complete. A model whose
+    forward returns its loss, logits and router logits then held the logits' gradient through most
+    of backward while the profile metered it: 1 MB the real step frees after the head's backward
+    (hf-moe: every plan's prediction up to 1 MB high there)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mod_tracker = _NoModules()
+

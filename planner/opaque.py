@@ -22,7 +22,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from .compat import (TorchDispatchMode, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
                      tree_map, tree_unflatten)
 from .compat import disable_current_modes as _disable_current_modes
-from torch.utils.flop_counter import FlopCounterMode
+from .compat import TotalFlops
 
 from .kernels import FLOP_FORMULAS
 from .rng import host_rng_restored, rng_preserved
@@ -175,7 +175,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         # FlopCounterMode outside the meter: it decomposes ops it has no formula for (silu_backward),
         # and the meter must see the ops the step runs, not their decompositions' temporaries
         with _reparametrize_module(module, state, tie_weights=True), \
-                FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
+                TotalFlops(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
                 LiveBytes(baseline=inputs + list(state.values())) as live, _Casts(state.values()) as casts:
             start = live.live_bytes
             drawn: list[bool] = []

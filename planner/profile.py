@@ -4,7 +4,7 @@ An fx.Interpreter runs the graph under FakeTensorMode with three instruments:
 - `_ProfileMode` (a LiveBytes dispatch mode) attributes each new storage to the node that made
   it, records which nodes read which storages (through any view), and the peak during each node;
 - saved-tensor hooks record which storages autograd saves, and for which node;
-- FlopCounterMode counts FLOPs per node.
+- FlopCounterMode (compat.TotalFlops: no module tracker) counts FLOPs per node.
 The loss runs as a final node, then backward runs on the fake tensors with gradient hooks on every
 node's outputs, so the backward working memory of each node is measured, not guessed. Those
 measurements calibrate the simulator (NOTE [ liveness ] in simulate.py): `*_extra_bytes` are what
@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .compat import (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
                      tree_flatten)
-from torch.utils.flop_counter import FlopCounterMode
+from .compat import TotalFlops
 
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .kernels import FLOP_FORMULAS
@@ -191,7 +191,7 @@ class _ProfileMode(LiveBytes):
 class _Runner(fx.Interpreter):
     """Runs the graph node by node, recording per-node forward measurements."""
 
-    def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: FlopCounterMode,
+    def __init__(self, gm: fx.GraphModule, mode: _ProfileMode, flops: TotalFlops,
                  opaque: dict[str, dict[str, torch.Tensor]], examples: dict[str, list], fixed: dict[str, str]):
         super().__init__(gm)
         self.opaque = opaque            # opaque module name -> its real parameters and buffers
@@ -207,17 +207,45 @@ class _Runner(fx.Interpreter):
         self.rec: dict[int, dict] = {}
         self.loss_i = len(self.index)
         self.hooks: list = []
+        # id of each autograd node the nodes run so far made -> its pre-hook's handle (holding the
+        # autograd node would keep what it saved alive: a handle does not)
+        self.hooks_by_fn: dict[int, object] = {}
         self.out_sids: dict[int, set[int]] = {}  # node -> storages its outputs live in
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
         self.loss_kind = "stand-in"       # or the model's own loss (planner.step.model_loss)
 
-    def on_grad(self, i: int):
-        """Gradient hook: node i's backward starts when the gradient of its output is complete."""
-        def hook(_grad):
-            self.close_bwd_interval()
-            self.bwd_node = i
+    def on_backward(self, i: int):
+        """Pre-hook of an autograd node node i's forward made: node i's backward runs while it does."""
+        def hook(_grad_outputs):
+            if self.bwd_node != i:
+                self.close_bwd_interval()
+                self.bwd_node = i
         return hook
+
+    # NOTE [ whose backward ]
+    # The backward peak of node i (`bwd_peaks`, calibrating its bwd_extra_bytes) is metered while
+    # the autograd nodes i's forward made run: a pre-hook on each (reached from i's outputs, up to
+    # the autograd nodes earlier nodes made, leaves excluded) makes i the node metered. It was a
+    # hook on the gradients of i's outputs, which took the wrong node twice: a node passing a
+    # tensor on as it got it (an Identity, a tuple's item, an output container) had its hook fire
+    # after the producer's and took the producer's backward (hf-llama's cross-entropy backward
+    # metered at the output container: the least-peak plan simulated 15% under its replay, and
+    # the floor was 13% too high); and grads completed by one backward op fired hooks in an order
+    # of their own. The handles are kept by the autograd node's id: holding the autograd node
+    # itself would keep alive what a branch without a gradient saved (16 KB on hf-moe).
+    def own_backward(self, i: int, outs: list) -> None:
+        """Node i meters the backward of every autograd node its forward made (NOTE [ whose backward ])."""
+        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            seen = self.hooks_by_fn.get(id(fn))
+            if (seen is not None and seen.hooks_dict_ref() is not None) or hasattr(fn, "variable"):
+                continue                       # an earlier node's (alive: its id is its own), or a leaf's
+            handle = fn.register_prehook(self.on_backward(min(i, self.loss_i)))
+            self.hooks.append(handle)
+            self.hooks_by_fn[id(fn)] = handle
+            todo += [nxt for nxt, _ in fn.next_functions if nxt is not None]
 
     def close_bwd_interval(self) -> None:
         peaks, mode = self.bwd_peaks, self.mode
@@ -283,7 +311,7 @@ class _Runner(fx.Interpreter):
             flops=self.flops.get_total_flops() - f0,
             grad_bytes=sum(t.numel() * t.element_size() for t in new if t.requires_grad),
         )
-        self.hooks += [t.register_hook(self.on_grad(i)) for t in outs if t.requires_grad and i < self.loss_i]
+        self.own_backward(i, outs)
         self.out_sids[i] = {mode.sid[t.untyped_storage()] for t in outs if t.untyped_storage() in mode.sid}
         mode.node = -1
         return out
@@ -382,7 +410,7 @@ def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], exa
         mode = _ProfileMode(baseline=fake.fixed, deterministic_ops=deterministic_ops, record_calls=record_calls)
         mode.track_fixed([t.untyped_storage() for t in fake.fixed], [t.untyped_storage() for t in fake.made_from])
         opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
-        flops = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+        flops = TotalFlops(display=False, custom_mapping=FLOP_FORMULAS)
         runner = _Runner(gm, mode, flops, opaque_state, examples, fixed or {})
         grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
         with flops, mode:
@@ -524,4 +552,5 @@ def _backward(loss: torch.Tensor, runner: _Runner) -> dict[int, int]:
     runner.close_bwd_interval()
     for h in runner.hooks:
         h.remove()
+    runner.hooks_by_fn.clear()
     return runner.bwd_peaks

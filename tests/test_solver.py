@@ -114,6 +114,41 @@ def test_compiled_no_regions_when_the_compiled_unplanned_step_fits():
     assert len(over.asked) > 1 and over.asked[0] == ()
 
 
+class _Replay:
+    """A Measure that replays every plan `over` bytes below its simulated peak."""
+    what, rounds = "a replay", 4
+
+    def __init__(self, cg, over: int):
+        self.cg, self.over, self.asked = cg, over, []
+
+    def __call__(self, regions):
+        self.asked.append(tuple(regions))
+        return timeline(self.cg, tuple(regions)).peak_bytes - self.over
+
+
+def test_budget_correction_solves_again_only_where_the_simulator_overstated():
+    """NOTE [ budget correction ]: where the replay equals the simulator, the plan that fits is the
+    cheapest that can (any cheaper one simulates, so replays, over the budget): one solve, one plan
+    replayed. Where every plan replays `over` bytes under its simulated peak, the plan is the
+    cheapest whose simulated peak is within budget + over: the simulator's plan at that budget."""
+    cg = chain(8, [5, 3, 5, 3, 5, 3, 5, 3], [1, 2, 3, 4, 5, 6, 7, 8])
+    unplanned = timeline(cg, ()).peak_bytes
+    exact_opts = PlanOptions(safety_margin=0.0)
+    no_floor = PlanOptions(find_min_feasible=False)          # no known plans replayed for a floor
+    for frac in (0.6, 0.7, 0.8, 0.9):
+        budget = int(unplanned * frac)
+        exact = _Replay(cg, 0)
+        p = solve_plan(cg, budget, no_floor, measure=exact)
+        assert p.regions and p.predicted_peak_bytes <= budget
+        assert [r for r in exact.asked if r] == [p.regions], exact.asked
+        over = 2 * MB
+        shifted = _Replay(cg, over)
+        q = solve_plan(cg, budget, no_floor, measure=shifted)
+        oracle = solve_plan(cg, budget + over, exact_opts)
+        assert q.predicted_peak_bytes <= budget
+        assert q.recompute_s == pytest.approx(oracle.recompute_s), (frac, q.regions, oracle.regions)
+
+
 def test_plan_never_predicted_over_budget():
     cg = chain(6, [5, 3, 5, 3, 5, 3], [1, 2, 3, 4, 5, 6])
     unplanned = timeline(cg, ()).peak_bytes
