@@ -115,7 +115,7 @@ class _Family:
     def ilp_at(self, slot: int) -> SegmentILP:
         """This family's ILP for batch slot `slot` (a CBC run at a time each: they set their own levels)."""
         while len(self.ilps) <= slot:
-            self.ilps.append(self.make_ilp())
+            self.ilps.append(self.make_ilp(self.ilp.cands))   # the first's candidates: the same ILP
         return self.ilps[slot]
 
     def least_kept(self):
@@ -234,7 +234,8 @@ class HierarchicalSolver:
         for members in by.values():
             rep = self.contexts[members[len(members) // 2]]      # a middle block: the usual context
             k_none = rep.score(()).kept
-            fam = _Family(members, rep, lambda rep=rep, k=k_none: SegmentILP(rep.sub, opts, k), min_gap)
+            fam = _Family(members, rep, lambda cands=None, rep=rep, k=k_none: SegmentILP(rep.sub, opts, k, cands),
+                          min_gap)
             self.families.append(fam)
             self._first_options(fam)
         self.types = len({s.type for s in self.segs if s.kind == "block"})

@@ -113,12 +113,15 @@ class SegmentILP:
     chain of every storage at its last point inside the segment), at most a level. Solved at one
     level after another; plans are in the segment graph's indices."""
 
-    def __init__(self, sub: CostGraph, opts: SolveOptions, k_none: int):
+    def __init__(self, sub: CostGraph, opts: SolveOptions, k_none: int, cands: list | None = None):
+        """`cands`: another SegmentILP's over `sub` (a family's batch slots share them: made once)."""
         self.sub, self.opts = sub, _segment_options(opts)
-        space = SearchSpace(sub, opts.sac)
-        pos = space.positions
-        full = len(pos) * (len(pos) + 1) // 2 <= SEGMENT_PAIRS
-        self.cands = candidates(sub, self.opts if full else opts, space)
+        if cands is None:
+            space = SearchSpace(sub, opts.sac)
+            pos = space.positions
+            full = len(pos) * (len(pos) + 1) // 2 <= SEGMENT_PAIRS
+            cands = candidates(sub, self.opts if full else opts, space)
+        self.cands = cands
         self.k_none = k_none * _ilp._MB
         self.tol = 1e-3 + 1e-6 * self.k_none          # MB: CBC's tolerance on a constraint
         if not self.cands:
