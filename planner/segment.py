@@ -23,7 +23,9 @@ SEGMENT_NODES = 500  # branch-and-bound nodes of a segment ILP: a Llama-2-7B blo
                      # time limit (a plan that moved with the machine's load) at 20,000; at 500 they
                      # stop by count, with the same plans on GPT-2 and the 7B (benchmarks/scale.py)
 SEGMENT_PAIRS = 2 * FULL_PAIRS   # a segment's ILP offers every region up to this many (start, end) pairs
-LOW_PEAK_NODES = 100 # branch-and-bound nodes of a least-peak solve (its LP bound is weak: a short search)
+LOW_PEAK_NODES = 30  # branch-and-bound nodes of a least-peak solve (its LP bound is weak: a short search;
+                     # 100 -> 30: the same plans and floors on all 30 rows of benchmarks/plan_time.py
+                     # and the 6 of benchmarks/scale.py, hf-moe's 4 least-peak CBC runs 2.0 -> 1.6 s)
 
 
 def segment_graph(cg: CostGraph, a: int, b: int, settled: frozenset = frozenset()) -> CostGraph:
