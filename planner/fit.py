@@ -235,8 +235,9 @@ def _noted(plan: Plan, pb: _Problem) -> Plan:
 # The simulator is conservative for some plans and the replay is exact, so the effective budget
 # the ILP sees (a bound on the simulator's prediction) is corrected by how far the last plan's
 # simulated peak missed its replay: the next bound on the simulated peak is the budget plus that
-# plan's simulated - replayed (the effective budget: that, plus the safety margin). A plan that replays over budget is then excluded (the next bound is below
-# its prediction); after a plan that fits, the next solve is worth its time only when that bound
+# plan's simulated - replayed (the effective budget: that, plus the safety margin). A plan that
+# replays over budget is then excluded (the next bound is below its prediction); after a plan
+# that fits, the next solve is worth its time only when that bound
 # is above the last one (the simulator overstated the plan's replay by more than the room it left
 # under the budget): every plan cheaper than the last has a prediction over the last bound, and
 # fits only where the simulator overstates it too. (Stepping up by the room the replay left under
@@ -292,9 +293,10 @@ def _fit(pb: _Problem) -> Choice:
                     best = (cost, choice._replace(predicted=predicted, effective=effective))
                 # close enough, unless CBC stopped at a limit (another effective budget may do better:
                 # up by the room left); else nothing cheaper to expect below the corrected bound
-                if pb.measure is None or (budget - predicted < CLOSE_ENOUGH * budget and "limit" not in choice.status):
+                limited = "limit" in choice.status
+                if pb.measure is None or (budget - predicted < CLOSE_ENOUGH * budget and not limited):
                     break
-                if "limit" in choice.status:
+                if limited:
                     corrected = max(corrected, effective + budget - predicted)
                 elif corrected <= effective:
                     break

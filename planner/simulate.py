@@ -35,7 +35,8 @@ to be read, plus the node's fwd_extra, over the ops it runs (top(R) only when `r
 stopped before it computes never makes its output). Counting those made the simulator high:
 the top's output on 139 of the mlp's 208 such single regions (up to 2 MB; 1.1% on an hf-bert
 plan the ILP then passed over), the top's gradients on 59 of the unet's 226 (up to 4.6%: the
-unet's least-peak plan simulated 4.1% over its replay; tests/test_simulate.py). The step's peak is the maximum
+unet's least-peak plan simulated 4.1% over its replay; tests/test_simulate.py). The step's peak
+is the maximum
 over both passes. Recompute cost: nodes of R up to top(R), less the saved ones (torch stops
 recomputing once the last saved tensor is back), top(R) itself only when it saves a storage it
 makes (`runs_top`: an op packs its inputs before it computes and its outputs after, so a top
