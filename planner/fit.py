@@ -237,10 +237,10 @@ def _noted(plan: Plan, pb: _Problem) -> Plan:
 # simulated peak missed its replay: the next bound on the simulated peak is the budget plus that
 # plan's simulated - replayed (the effective budget: that, plus the safety margin). A plan that
 # replays over budget is then excluded (the next bound is below its prediction); after a plan
-# that fits, the next solve is worth its time only when that bound
-# is above the last one (the simulator overstated the plan's replay by more than the room it left
-# under the budget): every plan cheaper than the last has a prediction over the last bound, and
-# fits only where the simulator overstates it too. (Stepping up by the room the replay left under
+# that fits, the next solve is worth its time only when that bound is above the last one (the
+# simulator overstated the plan's replay by more than the room it left under the budget): every
+# plan cheaper than the last has a prediction over the last bound, and fits only where the
+# simulator overstates it too. (Stepping up by the room the replay left under
 # the budget, as before, re-solved 15 of the 30 rows of benchmarks/plan_time.py, and 13 of those
 # solves found no cheaper plan that fits: the room was the ILP's granularity, not the simulator's
 # caution.) Once one effective budget gave a plan over and another one under (or none at all),
@@ -281,16 +281,15 @@ def _fit(pb: _Problem) -> Choice:
                 return _known_or_raise(pb, effective, e.min_feasible_bytes + max(0, budget - effective))
             go_up, corrected = True, effective  # no plan this tight: between here and `over`
         else:
+            tl = timeline(pb.cg, choice.regions)
             predicted = pb.predict(choice.regions) if pb.measure is None else pb.measured(choice.regions)
             # the simulated peak that would replay at the budget, were this plan's overstatement
             # everyone's, as the effective budget (a bound on the simulator's prediction: margin on)
-            simulated = timeline(pb.cg, choice.regions).peak_bytes
             go_up = predicted <= budget
-            corrected = math.ceil((budget + simulated - predicted) * (1.0 + pb.options.safety_margin))
+            corrected = math.ceil((budget + tl.peak_bytes - predicted) * (1.0 + pb.options.safety_margin))
             if go_up:
-                cost = timeline(pb.cg, choice.regions).recompute_s
-                if best is None or cost < best[0]:
-                    best = (cost, choice._replace(predicted=predicted, effective=effective))
+                if best is None or tl.recompute_s < best[0]:
+                    best = (tl.recompute_s, choice._replace(predicted=predicted, effective=effective))
                 # close enough, unless CBC stopped at a limit (another effective budget may do better:
                 # up by the room left); else nothing cheaper to expect below the corrected bound
                 limited = "limit" in choice.status

@@ -206,10 +206,10 @@ class _Runner(fx.Interpreter):
         self.saved_count: dict[int, int] = defaultdict(int)    # node -> tensors its autograd saved
         self.rec: dict[int, dict] = {}
         self.loss_i = len(self.index)
-        self.hooks: list = []
         # id of each autograd node the nodes run so far made -> its pre-hook's handle (holding the
-        # autograd node would keep what it saved alive: a handle does not)
-        self.hooks_by_fn: dict[int, object] = {}
+        # autograd node would keep what it saved alive: a handle does not; a dead node's hook dies
+        # with it, so an id reused later needs no removal of the handle it replaces)
+        self.hooks: dict[int, object] = {}
         self.out_sids: dict[int, set[int]] = {}  # node -> storages its outputs live in
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
@@ -239,12 +239,10 @@ class _Runner(fx.Interpreter):
         todo = [t.grad_fn for t in outs if t.grad_fn is not None]
         while todo:
             fn = todo.pop()
-            seen = self.hooks_by_fn.get(id(fn))
+            seen = self.hooks.get(id(fn))
             if (seen is not None and seen.hooks_dict_ref() is not None) or hasattr(fn, "variable"):
                 continue                       # an earlier node's (alive: its id is its own), or a leaf's
-            handle = fn.register_prehook(self.on_backward(min(i, self.loss_i)))
-            self.hooks.append(handle)
-            self.hooks_by_fn[id(fn)] = handle
+            self.hooks[id(fn)] = fn.register_prehook(self.on_backward(i))
             todo += [nxt for nxt, _ in fn.next_functions if nxt is not None]
 
     def close_bwd_interval(self) -> None:
@@ -550,7 +548,7 @@ def _backward(loss: torch.Tensor, runner: _Runner) -> dict[int, int]:
     runner.mode.reset_peak()
     loss.backward()
     runner.close_bwd_interval()
-    for h in runner.hooks:
+    for h in runner.hooks.values():
         h.remove()
-    runner.hooks_by_fn.clear()
+    runner.hooks.clear()
     return runner.bwd_peaks

@@ -209,7 +209,7 @@ def made_in_backward(cg: CostGraph) -> list[int]:
     if got is None:
         got = [c.param_grad_bytes for c in cg.nodes]
         for i, c in enumerate(cg.nodes):
-            if c.grad_last_user > i and c.grad_last_user < len(got):
+            if i < c.grad_last_user < len(got):
                 got[c.grad_last_user] += c.grad_bytes
         cg.memo["made_in_backward"] = got
     return got
@@ -253,7 +253,8 @@ def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
     ran = range(r.start, top + 1 if runs_top(cg, top) else top)      # the ops the recomputation runs
     # above what is live outside it: the base at top(R) less what top(R)'s own backward makes
     # (it runs before that backward computes)
-    peak = max((live[j - r.start] + cg.nodes[j].fwd_extra_bytes for j in ran), default=0) - made_in_backward(cg)[top]
+    peak = max((live[j - lo] + cg.nodes[j].fwd_extra_bytes for j in ran), default=0)
+    peak -= made_in_backward(cg)[top]
     todo = [j for j in ran if j not in saved]
     overhead = cg.region_s + (cg.sac_op_s * sum(c.ops for c in cg.nodes[r.start:r.end + 1]) if saved else 0.0)
     return Recompute(tuple(work), top, peak, sum(cg.nodes[j].flops for j in todo),
