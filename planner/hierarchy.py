@@ -18,11 +18,12 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    built from planner/solve.py's own pieces; `SegmentILP`) gets one more constraint: K, the bytes
    the segment keeps for backward, at most a level. The epsilon-constraint method on K (the
    cheapest plan keeping at most a level) traces the segment's Pareto front of K against recompute,
-   its widest gaps searched first (LEVELS solves), plus plans of least peak at some levels. The
-   cheapest plans come from the segment's exact front, made once by a DP over its boundaries
+   its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's exact front, made once by a DP over its boundaries
    (planner/front.py, NOTE [ front DP ]: no CBC run; the ILP answers where the DP would carry too
-   much), and every point of that front is an option too. Plans of least peak, and of a lower
-   peak at the options each budget picks, are ILPs with a bound on the peak. Each
+   much), and every point of that front is an option too. Plans of least peak at LOW_PEAK levels
+   (made when the floor is sought, or when no chained plan fits a budget without them: NOTE [ least
+   peak when needed ]), and of a lower peak at the options each budget picks, are ILPs with a
+   bound on the peak. Each
    plan is scored in the context of every segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
@@ -55,7 +56,7 @@ from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
 from .simulate import base_liveness, timeline
 
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
-LOW_PEAK = 2         # ... and at how many of the K found the plan of least peak is solved for
+LOW_PEAK = 2         # at how many of the K found the plan of least peak is solved for, when needed
 FRONT_OPTIONS = 128  # points of an exact front offered as options, at most (evenly by rank): the chain
                      # DP's work grows with them (Mixtral's block fronts made it 24 s a call)
 REFINE_SOLVES = 12   # per budget: at most this many more segment ILPs around the options the DP picked
@@ -226,6 +227,7 @@ class HierarchicalSolver:
         self.contexts = [Context(cg, s, base, settled[i]) for i, s in enumerate(self.segs)]
         self.options: list[list[Option]] = [[] for _ in self.segs]
         self.families: list[_Family] = []
+        self.low_done = False
         by: dict[str, list[int]] = {}
         for i, s in enumerate(self.segs):
             by.setdefault(s.family, []).append(i)
@@ -245,8 +247,7 @@ class HierarchicalSolver:
 
     def _first_options(self, fam: _Family) -> None:
         """No regions and the least K (the ends of the front), then LEVELS gaps split, the widest
-        first, WIDTH at a time; and the least-peak plan at LOW_PEAK of the front's K: the least in
-        the first batch (one gap to split there), the others once the splits are done. With the
+        first, WIDTH at a time (the least-peak plans are made when needed: `_low_peak_options`). With the
         exact front, its answers make the splits (no CBC run), and every point of it is an option
         too: a point's peak in the whole graph (M) is not what the DP chose it by, and the chain
         fits budgets by M as well. (Either alone planned some zoo rows dearer than the ILPs' points
@@ -257,20 +258,40 @@ class HierarchicalSolver:
         if low is not None:
             fam.front = sorted({fam.point(()), fam.point(low[0])}, key=lambda e: e[0])
             plans.append(low[0])
-            splits, peaks = 0, 0
+            splits = 0
             while True:
                 gaps = sorted(fam.gaps(), reverse=True)[:min(WIDTH, LEVELS - splits)]
                 jobs = [fam.split(j) for _, j in sorted(gaps, key=lambda g: g[1])]
                 splits += len(jobs)
-                last = not gaps or splits >= LEVELS
-                n = len(fam.front) - 1
-                while peaks < min(LOW_PEAK, n) and len(jobs) < WIDTH and (peaks == 0 or last):
-                    jobs.append(fam.least_peak(peaks * n // LOW_PEAK))
-                    peaks += 1
                 if not jobs:
                     break
                 plans += [p for p in run_jobs(jobs) if p is not None]
         self._add(fam, plans + [p.plan for p in _spread(fam.exact or [], FRONT_OPTIONS)])
+
+    # NOTE [ least peak when needed ]
+    # Each family's least-peak plans at LOW_PEAK levels of K (a segment ILP each, with a bound on
+    # the peak: a weak LP bound, so a short and costly search) were made with its first options,
+    # 2 to 4 of a budget's 5 to 12 CBC runs. Budgets between the floor and the unplanned peak never
+    # needed them: without them all 30 rows of benchmarks/plan_time.py plan the same plans and
+    # floors at up to 2.8 CPU s less (u=0.5: hf-moe 8.8 -> 6.0, hf-llama 3.8 -> 2.5, gpt2 2.3 ->
+    # 1.9; 2026-12-05-plan-time-lazy), and the 6 rows of benchmarks/scale.py the same plans. They
+    # are made once, when the floor is sought (`min_peak`: the least peak is what they are for) or
+    # when no chained plan fits a budget without them (`solve`: a budget near the floor).
+    def _low_peak_options(self) -> None:
+        """Once (NOTE [ least peak when needed ]): each family's least-peak plan at LOW_PEAK of its
+        front's K, WIDTH at a time."""
+        if self.low_done:
+            return
+        self.low_done = True
+        jobs = []
+        for fam in self.families:
+            n = len(fam.front) - 1
+            jobs += [fam.least_peak(p * n // LOW_PEAK) for p in range(min(LOW_PEAK, n))]
+        for i in range(0, len(jobs), WIDTH):
+            batch = jobs[i:i + WIDTH]
+            for job, plan in zip(batch, run_jobs(batch)):
+                if plan is not None:
+                    self._add(job.family, [plan])
 
     def _add(self, fam: _Family, plans) -> bool:
         """Offer `plans` to every member of `fam`, scored in its context; whether any was new."""
@@ -389,24 +410,10 @@ class HierarchicalSolver:
         near = any(abs(budget_bytes - b) <= NEAR_BUDGET * b for b in self.budgets)
         self.refine_left = REFINE_NEAR if near else REFINE_SOLVES
         self.budgets.append(budget_bytes)
-        best, effective, tried = None, budget_bytes, set()
-        for _ in range(ROUNDS):
-            got = self._plan(effective)
-            if got is None or got[0] in tried:
-                break
-            regions, predicted = got
-            tried.add(regions)
-            tl = timeline(self.cg, regions)
-            if tl.peak_bytes <= budget_bytes:
-                if best is None or tl.recompute_s < best[0]:
-                    best = (tl.recompute_s, regions)
-                if budget_bytes - tl.peak_bytes < CLOSE * budget_bytes:
-                    break
-            # the next budget of the chain: corrected by how far its prediction missed this plan
-            nxt = budget_bytes - (tl.peak_bytes - predicted)
-            if nxt == effective:
-                break
-            effective = nxt
+        best = self._chained(budget_bytes)
+        if best is None and not self.low_done:       # the least-peak options may reach it
+            self._low_peak_options()
+            best = self._chained(budget_bytes)
         label = self._label()
         if best is None and warm_start and timeline(self.cg, warm_start).peak_bytes <= budget_bytes:
             best = (timeline(self.cg, warm_start).recompute_s, warm_start)
@@ -429,10 +436,33 @@ class HierarchicalSolver:
                 regions, label = better, label + "; improved by local search"
         return _ilp.Solution(regions, label, float("nan"), time.perf_counter() - t0)
 
+    def _chained(self, budget_bytes: int) -> tuple[float, tuple[Region, ...]] | None:
+        """(recompute s, regions) of the cheapest chained plan whose simulated peak fits, or None."""
+        best, effective, tried = None, budget_bytes, set()
+        for _ in range(ROUNDS):
+            got = self._plan(effective)
+            if got is None or got[0] in tried:
+                break
+            regions, predicted = got
+            tried.add(regions)
+            tl = timeline(self.cg, regions)
+            if tl.peak_bytes <= budget_bytes:
+                if best is None or tl.recompute_s < best[0]:
+                    best = (tl.recompute_s, regions)
+                if budget_bytes - tl.peak_bytes < CLOSE * budget_bytes:
+                    break
+            # the next budget of the chain: corrected by how far its prediction missed this plan
+            nxt = budget_bytes - (tl.peak_bytes - predicted)
+            if nxt == effective:
+                break
+            effective = nxt
+        return best
+
     def min_peak(self, *args, **kwargs):
         """Regions of least peak, like solve_min_peak: the chain's least budget, polished on small
         graphs, then local search from it and from the known plan of least peak."""
         t0 = time.perf_counter()
+        self._low_peak_options()
         self.refine_left = REFINE_MIN_PEAK
         got = self._plan(chain_min_peak(self.options))
         regions = got[0] if got else ()

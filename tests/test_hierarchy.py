@@ -308,6 +308,39 @@ def test_solve_plan_takes_the_hierarchical_path_on_large_graphs_of_blocks():
         assert math.ceil(timeline(cg, p.regions).peak_bytes * 1.01) <= budget
 
 
+
+def test_least_peak_options_are_made_only_when_a_budget_needs_them(monkeypatch):
+    """NOTE [ least peak when needed ]: a budget the chain meets without them runs no least-peak
+    segment ILP; the floor search makes them (once), and so does a budget the chain cannot meet
+    without them (here: the chain's own least peak, no polish and no local search to reach it)."""
+    import remat.planner.hierarchy as H
+
+    cg = block_chain(7, n_blocks=4, size=9)
+    runs = []
+    least_peak = H.SegmentILP.least_peak
+    monkeypatch.setattr(H.SegmentILP, "least_peak", lambda self, below: runs.append(below) or least_peak(self, below))
+
+    def solver(**kw):
+        h = HierarchicalSolver(cg, SolveOptions(improve_evals=0))
+        h._compact = None                      # the chain's own plans
+        h.__dict__.update(kw)
+        return h
+    low = timeline(cg, solver().min_peak().regions).peak_bytes
+    made = len(runs)
+    assert made > 0
+    h = solver()
+    mid = (low + timeline(cg, ()).peak_bytes) // 2
+    sol = h.solve(cg, mid)
+    assert sol is not None and timeline(cg, sol.regions).peak_bytes <= mid
+    assert len(runs) == made and not h.low_done
+    assert solver(low_done=True).solve(cg, low) is None           # the chain alone cannot reach it
+    h = solver()
+    sol = h.solve(cg, low)
+    assert sol is not None and timeline(cg, sol.regions).peak_bytes <= low
+    assert len(runs) == 2 * made and h.low_done
+    h.solve(cg, low)
+    assert len(runs) == 2 * made                                  # made once
+
 # ------------------------------------------------------------------------------ a real model
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "exact-gpt2-3l.json"
 
