@@ -49,7 +49,7 @@ from .candidates import FULL_PAIRS, candidates
 from .chain import chain_dp, chain_min_peak
 from .costgraph import CostGraph
 from .front import cheapest, front
-from .improve import Search, improve, search
+from .improve import Search, evals, improve, search
 from .options import SolveOptions
 from .result import Region
 from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
@@ -79,9 +79,8 @@ POLISH_NODES = 100               # ... for at most this many branch-and-bound no
 POLISH_SEARCH = ("heuristics off",)  # ... without CBC's primal heuristics (a budget's polish: warm-
                                  # started, its root heuristics took 1.4 s of gpt2 u=0.75's 2.4 s
                                  # polish and changed nothing: the same plans and floors on those 15 rows)
-LOCAL_SEARCH_WORK = 2_000_000  # plans times nodes the local search scores after a solve, at most ...
-LOCAL_SEARCH_MIN = 1000        # ... but at least this many plans
-LOCAL_SEARCH_BUDGETED = 4      # ... a quarter of that after a solve for a budget: the chain's plan polished
+LOCAL_SEARCH_BUDGETED = 4      # a quarter of the local search's plans (improve.evals) after a solve for a
+                               # budget: the chain's plan polished
                                # by the flat ILP left it nothing to find on any hierarchical row of
                                # benchmarks/plan_time.py (0 of 18 improved; 0.2-1.7 s each), while
                                # the least-peak search's starts it does improve (the floor)
@@ -348,11 +347,6 @@ class HierarchicalSolver:
             peak, kept = max(peak, kept + o.peak), kept + o.kept
         return tuple(regions), peak
 
-    def _evals(self, opts: SolveOptions) -> int:
-        """The local search's plans to score: `improve_evals`, at most LOCAL_SEARCH_WORK / nodes (each
-        costs a pass over the graph; the chain's plan leaves it less to find than the flat ILP's)."""
-        return min(opts.improve_evals, max(LOCAL_SEARCH_MIN, LOCAL_SEARCH_WORK // len(self.cg.nodes)))
-
     def _label(self) -> str:
         n = sum(s.kind == "block" for s in self.segs)
         return f"hierarchical: {n} blocks of {self.types} type{'s' if self.types > 1 else ''}"
@@ -430,7 +424,7 @@ class HierarchicalSolver:
             return None
         regions = best[1]
         if opts.improve_evals:
-            better = improve(self.cg, regions, budget_bytes, self._evals(opts) // LOCAL_SEARCH_BUDGETED,
+            better = improve(self.cg, regions, budget_bytes, evals(self.cg, opts.improve_evals) // LOCAL_SEARCH_BUDGETED,
                              ctx=self.ctx)
             if better != regions:
                 regions, label = better, label + "; improved by local search"
@@ -478,7 +472,7 @@ class HierarchicalSolver:
         if self.opts.improve_evals:
             known = min(known_plans(self.cg, self.opts.sac).values(), key=key, default=())
             starts = [regions] + ([known] if known and known != regions else [])
-            done = [improve(self.cg, r, None, self._evals(self.opts) // len(starts), ctx=self.ctx) for r in starts]
+            done = [improve(self.cg, r, None, evals(self.cg, self.opts.improve_evals) // len(starts), ctx=self.ctx) for r in starts]
             better = min(done, key=key)
             if key(better) < key(regions):
                 regions, label = better, label + "; improved by local search"

@@ -17,7 +17,7 @@ class SolveOptions:
     threads: int = 1              # CBC threads (1 keeps results deterministic)
     min_peak_nodes: int = 0       # node limit of the least-peak solve: its LP bound is weak, CBC
                                   # finds its plans early and would spend the rest proving them
-    improve_evals: int = 10_000   # plans the local search (planner/improve.py) scores after a solve
+    improve_evals: int = 10_000   # plans the local search (planner/improve.py) scores after a solve (at most improve.WORK / nodes)
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:

@@ -50,7 +50,7 @@ from .baselines import known_plans
 from .cbc import cbc, cbc_command
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
-from .improve import Search, improve, search
+from .improve import Search, evals, improve, search
 from .options import SolveOptions
 from .result import Region
 from .simulate import base_liveness, last_reader, timeline
@@ -331,7 +331,8 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     gap = (opts.rel_gap if obj else 0.0) if sol == pulp.LpSolutionOptimal else _lp_gap(m, obj * _US, opts)
     t0 = time.perf_counter()
-    better = improve(cg, regions, budget_bytes, opts.improve_evals, ctx=ctx) if opts.improve_evals else regions
+    better = improve(cg, regions, budget_bytes, evals(cg, opts.improve_evals), ctx=ctx) if opts.improve_evals \
+        else regions
     solve_s += time.perf_counter() - t0
     if better != regions:
         regions, label = better, label + "; improved by local search"
@@ -368,7 +369,7 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
         # local search from CBC's plan and from the hand-made plan of least peak: on large graphs
         # (a partial candidate set) the latter sometimes ends lower
         starts = [regions] + ([known] if known and known != regions else [])
-        done = [improve(cg, r, None, opts.improve_evals // len(starts), ctx=ctx) for r in starts]
+        done = [improve(cg, r, None, evals(cg, opts.improve_evals) // len(starts), ctx=ctx) for r in starts]
         better = min(done, key=lambda r: _key(cg, r))
         if _key(cg, better) < _key(cg, regions):
             regions, label = better, label + "; improved by local search"
