@@ -110,7 +110,8 @@ def _segment_options(opts: SolveOptions) -> SolveOptions:
 
 class SegmentILP:
     """NOTE [ ILP ]'s model over one segment graph (every region inside offered, up to
-    SEGMENT_PAIRS start/end pairs), built once from planner/solve.py's own pieces, with one more
+    SEGMENT_PAIRS start/end pairs), built once (at its first solve: a family whose exact front
+    answers its splits may never need it) from planner/solve.py's own pieces, with one more
     constraint: K, the bytes the segment keeps for backward and releases in its own backward (the z
     chain of every storage at its last point inside the segment), at most a level. Solved at one
     level after another; plans are in the segment graph's indices."""
@@ -126,8 +127,13 @@ class SegmentILP:
         self.cands = cands
         self.k_none = k_none * _ilp._MB
         self.tol = 1e-3 + 1e-6 * self.k_none          # MB: CBC's tolerance on a constraint
-        if not self.cands:
+        self.prob = None            # the model, made at the first solve (the exact front answers most)
+
+    def build(self) -> None:
+        """Make the model (once; its first solve does)."""
+        if self.prob is not None:
             return
+        sub = self.sub
         prob = self.prob = pulp.LpProblem("segment", pulp.LpMinimize)
         self.B = pulp.LpVariable("B", 0)
         self.x, self.y, covering, coverable = _ilp._path(prob, self.cands, len(sub.nodes))
@@ -145,7 +151,7 @@ class SegmentILP:
         prob += self.cap
 
     def _run(self, objective, below: float, nodes: int | None = None, start=None, extra=()):
-        self.cap.constant = -below
+        self.cap.constant = -below        # (the model made by the caller, who sets its objective)
         self.prob.setObjective(objective)
         if start is not None:                  # a plan known to meet the constraints: CBC's first incumbent
             _ilp.set_start(self.cands, self.x, self.y, start)
@@ -158,6 +164,7 @@ class SegmentILP:
         """(plan, K in MB) keeping the least (recompute breaking ties); None without candidates."""
         if not self.cands:
             return None
+        self.build()
         return self._run(self.kept + _ilp._TIE * self.cost / self.total, 1e18)
 
     def cheapest(self, below: float, peak_below: float | None = None, start=None):
@@ -165,6 +172,7 @@ class SegmentILP:
         `peak_below` MB in the segment graph, if given), or None. `start`: a plan that meets both."""
         if not self.cands:
             return None
+        self.build()
         self.B.upBound = peak_below
         try:
             return self._run(self.cost + self.nudge * self.kept, below, start=start)
@@ -175,5 +183,6 @@ class SegmentILP:
         """(plan, K) of least peak in the segment graph keeping at most `below` MB (a short search)."""
         if not self.cands:
             return None
+        self.build()
         return self._run(self.B + _ilp._TIE * self.cost / self.total, below + self.tol, LOW_PEAK_NODES,
                          extra=_ilp.PLAIN_SEARCH)

@@ -18,6 +18,7 @@ def _ilp_kept(ilp: SegmentILP, plan) -> float:
     """K as the segment ILP reads it for `plan`: its `kept` expression with the plan's regions fixed
     (the z chains at their least: a cheapest plan's K)."""
     chosen = set(plan)
+    ilp.build()
     for c, x in zip(ilp.cands, ilp.x):
         x.lowBound = x.upBound = 1 if c.region in chosen else 0
     try:
