@@ -87,21 +87,75 @@ class FakeState:
     made_from: list[torch.Tensor]      # the real tensor each of `fixed` was made from
 
 
+# NOTE [ meta step ]
+# A replay whose every tensor is on the meta device (a model built there: `remat report --hf-config`,
+# a 70B planned on a laptop) needs no FakeTensorMode: meta tensors carry no data already, and their
+# kernels are the ones a FakeTensorMode would run for them. Without it the replay runs twice as fast
+# (a Llama-2-7B replay 1.8 -> 0.8 s: FakeTensorMode's dispatch and cache keys were half of it), on
+# meta copies that keep the real tensors' storage sharing (`_MetaCopies`: views of one storage stay
+# views of one), to the same peak (tests/test_capture.py: zoo models on meta, every known plan).
+# What a FakeTensorMode alone can do, it still does: an op with a data-dependent shape or value
+# raises on meta tensors, and the replay runs again under FakeTensorMode (`meta_first`).
+# The profile stays on FakeTensorMode: a FakeTensor's device is asked through the dispatcher
+# (`prim.device`, 84 of the 122 ops the mlp's profile meters; a meta tensor answers without one),
+# and the roofline's per-op overheads count those asks: on meta copies every node's cost would move.
+def on_meta(gm: fx.GraphModule, inputs) -> bool:
+    """Every tensor of the step (the graph's state and the inputs) is on the meta device."""
+    ts = list(graph_state(gm).values()) + tensors(inputs)
+    return bool(ts) and all(t.device.type == "meta" for t in ts)
+
+
+def meta_first(gm: fx.GraphModule, inputs, run: Callable[[bool], object]):
+    """`run(meta)`: with meta True first where the step is all on meta (NOTE [ meta step ]), again
+    with meta False (under FakeTensorMode) if that raises; else once with meta False."""
+    if on_meta(gm, inputs):
+        try:
+            return run(True)
+        except Exception:          # noqa: BLE001 - the fake step says what it is, or runs
+            pass
+    return run(False)
+
+
+class _MetaCopies:
+    """`from_tensor(t)`: a meta tensor like `t` on a storage of its own, one per storage of the
+    originals (views of one storage stay views of one). The copy of a meta step (NOTE [ meta step ])."""
+
+    def __init__(self):
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.made: dict[int, torch.Tensor] = {}
+
+    def from_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self.made:
+            real = t.untyped_storage()
+            # a freed storage (FSDP2's gathered parameters between uses) as large as when it computes
+            span = (t.storage_offset() + sum((n - 1) * d for n, d in zip(t.shape, t.stride())) + 1) * t.element_size()
+            if real._cdata not in self.storages:
+                self.storages[real._cdata] = torch.UntypedStorage(max(real.nbytes(), span * bool(t.numel())),
+                                                                  device="meta")
+            st = self.storages[real._cdata]
+            copy = torch.empty(0, dtype=t.dtype, device="meta").set_(st, t.storage_offset(), t.shape, t.stride())
+            self.made[id(t)] = copy.requires_grad_(t.requires_grad)
+        return self.made[id(t)]
+
+
 @contextlib.contextmanager
-def fake_step(gm: fx.GraphModule, inputs, grads: bool = False):
+def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = False):
     """Inside, `gm` holds fake copies of its parameters, buffers and constants (`graph_state`),
     under a FakeTensorMode that also takes real tensors (a loss target); yields a FakeState with
     the fake inputs. `grads`: every trainable parameter starts with a gradient (a micro-step of
-    gradient accumulation after the first), live the whole step. Attention on meta tensors runs
-    the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
+    gradient accumulation after the first), live the whole step. `meta`: the step is all on meta
+    (`on_meta`), and runs on meta copies without a FakeTensorMode (NOTE [ meta step ]). Attention
+    on meta tensors runs the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
-    with rng_preserved(), FakeTensorMode(allow_non_fake_inputs=True) as fake, device_kernels():
+    modes = (_MetaCopies(), contextlib.nullcontext()) if meta else (None, FakeTensorMode(allow_non_fake_inputs=True))
+    with rng_preserved(), modes[1] as fake, device_kernels():
+        fake = modes[0] or fake
         # a tensor under two names (tied weights) is one fake copy: from_tensor memoizes, but a
         # freed storage's copy (fake_copy) is made anew at each call
         copies: dict[int, torch.Tensor] = {}
         for v in real.values():
             if id(v) not in copies:
-                copies[id(v)] = fake_copy(fake, v)
+                copies[id(v)] = fake.from_tensor(v) if meta else fake_copy(fake, v)
         state = {k: copies[id(v)] for k, v in real.items()}
         fake_in = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, inputs)
         existing = []

@@ -348,6 +348,51 @@ def test_the_capture_check_is_skipped_on_meta():
     assert a.cost_graph.meta["capture_check"].startswith("skipped")
 
 
+
+def _on_meta(x):
+    return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("name", ["gpt2", "hf-llama", pytest.param("hf-moe", marks=pytest.mark.slow)])
+def test_a_step_all_on_meta_is_replayed_without_fake_tensors_to_the_byte(name, monkeypatch):
+    """NOTE [ meta step ]: a model and inputs all on meta are replayed on meta copies, with no
+    FakeTensorMode (it cannot be made here), to the same peak as under FakeTensorMode for every
+    known plan; a step meta tensors cannot run is run under FakeTensorMode."""
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    import remat.planner.step as step
+    from benchmarks.zoo_models import ZOO
+    from remat.planner.api import analyze
+    from remat.planner.baselines import known_plans
+    from remat.planner.compat import tree_map
+    from remat.runtime.api import ExactReplay
+    from remat.runtime.examples import EXAMPLES
+
+    ex = (EXAMPLES.get(name) or ZOO[name])()
+    model = ex.model.to("meta")
+    args, kwargs = tree_map(_on_meta, (tuple(ex.inputs or ()), dict(ex.kwargs or {})))
+
+    a = analyze(model, args, kwargs, ex.loss_fn, target_device="cuda")
+    plans = [()] + list(known_plans(a.cost_graph).values())
+
+    def replayed():
+        replay = ExactReplay(model, a, ex.loss_fn)
+        return [replay(r) for r in plans]
+    with monkeypatch.context() as m:
+        m.setattr(step, "on_meta", lambda gm, inputs: False)
+        fake = replayed()
+
+    def no_fake(*args, **kwargs):
+        raise AssertionError("a FakeTensorMode was made for a step all on meta")
+    with monkeypatch.context() as m:
+        m.setattr(step, "FakeTensorMode", no_fake)
+        assert replayed() == fake
+    ran, gm = [], torch.fx.symbolic_trace(nn.Linear(2, 2, device="meta"))
+    assert step.meta_first(gm, {"input": torch.empty(2, device="meta")},
+                           lambda meta: ran.append(meta) or 1 / len(ran[1:])) == 1.0
+    assert ran == [True, False]             # the meta step raised: run again under FakeTensorMode
+
+
 @pytest.mark.slow
 def test_the_module_tree_floor_is_hugging_faces_per_layer_checkpointing():
     """A Hugging Face encoder-decoder with layer drop (no tracer captures it): the floor was 212.7 MB

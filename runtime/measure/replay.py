@@ -2,7 +2,8 @@
 
 The CostGraph simulator is a model of PyTorch's memory behaviour; this is the behaviour itself:
 the rewritten GraphModule runs forward, loss and backward (with its checkpoint recomputes)
-under FakeTensorMode, with the same dispatcher-level meter used for real CPU steps. Nothing
+under FakeTensorMode (on meta copies without it where the step is all on meta: planner/step.py,
+NOTE [ meta step ]), with the same dispatcher-level meter used for real CPU steps. Nothing
 real is allocated, so a plan for a step larger than this machine can still be checked.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from remat.planner.opaque import stand_in, step_held
 from remat.planner.state import hooks_set, instance_forwards, named_tensors
-from remat.planner.step import fake_step, run_step, training_loss
+from remat.planner.step import fake_step, meta_first, run_step, training_loss
 from remat.planner.storage import LiveBytes
 
 
@@ -50,8 +51,10 @@ def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[
     loss is computed unless `keep_output`; `grads`: every parameter gradient exists from the
     start (gradient accumulation). `opaque` modules are stood in for by their measured memory
     behaviour (planner.opaque)."""
-    with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads) as fake, \
-            LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
-        with step_held():
-            run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
-    return meter.peak_bytes
+    def run(meta: bool) -> int:
+        with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads, meta) as fake, \
+                LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
+            with step_held():
+                run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
+        return meter.peak_bytes
+    return meta_first(gm, kwargs, run)
