@@ -63,7 +63,6 @@ REFINE_SOLVES = 12   # per budget: at most this many more segment ILPs around th
 REFINE_NEAR = 3      # ... for a budget within NEAR_BUDGET of one solved before (the budget correction's
 NEAR_BUDGET = 0.02   # next round: the DP's choice lies where the fronts were refined already)
 REFINE_MIN_PEAK = 4  # ... and for the least peak (whose cost matters less)
-BINDS = 0.01         # a segment's peak within this share of the budget binds the chain (`_refine`)
 MIN_GAP = 1e-3       # a gap in a front narrower than this share of the activation bytes is not searched
 ROUNDS = 5           # DP solves per budget when the simulator says the chained plan misses
 CLOSE = 0.002        # ... stopping once a plan that fits is this close to the budget
@@ -305,30 +304,16 @@ class HierarchicalSolver:
             self.options[i] = _pareto(scored)
         return bool(new)
 
-    def _refine(self, choice: list[int], most: int, budget: int) -> int:
+    def _refine(self, choice: list[int], most: int) -> int:
         """Up to `most` (at most WIDTH) more segment ILPs where the DP's choice lies, solved at once:
-        for the options it picked (once each) where the chain's peak binds (what the segments before
-        keep plus the option's peak within BINDS of `budget`), the cheapest plan keeping no more at
-        a lower peak in the segment graph; then the widest open gaps of the families' fronts next to
-        a picked option. The ILPs solved: 0 when there is nothing left to search there.
-
-        A lower peak pays only where a peak binds: elsewhere the DP's pick is already the cheapest
-        option keeping no more (every point of the exact front is one), and a plan keeping no more
-        at a lower peak costs at least as much. (Lowering every pick was half of a cold plan's CBC
-        runs on the hierarchical rows of benchmarks/plan_time.py: 2-5 of 2-7, and all of hf-moe's
-        1-3 s ones; lowering the binding ones only: the same plans on all 18 rows.)"""
+        for the options it picked (once each), the cheapest plan keeping no more at a lower peak in
+        the segment graph; then the widest open gaps of the families' fronts next to a picked
+        option. The ILPs solved: 0 when there is nothing left to search there."""
         most = min(most, WIDTH)
         jobs, gaps = [], []
-        binding, kept = set(), 0
-        for i, (opts, oi) in enumerate(zip(self.options, choice)):
-            if kept + opts[oi].peak >= budget * (1 - BINDS):
-                binding.add(i)
-            kept += opts[oi].kept
         for fam in self.families:
             picked = {shift(self.options[i][choice[i]].regions, -(self.segs[i].start - 1)) for i in fam.members}
-            lowering = {shift(self.options[i][choice[i]].regions, -(self.segs[i].start - 1)) for i in fam.members
-                        if i in binding}
-            for p in sorted(lowering - fam.lowered, key=lambda p: fam.plans.index(p)):
+            for p in sorted(picked - fam.lowered, key=lambda p: fam.plans.index(p)):
                 if len(jobs) < most:
                     jobs.append(fam.lower(p))
             near = {j for j, (_, _, p) in enumerate(fam.front) if p in picked}
@@ -348,7 +333,7 @@ class HierarchicalSolver:
         `self.refine_left` segment ILPs are left) and the peak the chain predicts for it."""
         got = chain_dp(self.options, budget)
         while got is not None and self.refine_left > 0:
-            made = self._refine(got[1], self.refine_left, budget)
+            made = self._refine(got[1], self.refine_left)
             if not made:
                 break
             self.refine_left -= made

@@ -341,30 +341,6 @@ def test_least_peak_options_are_made_only_when_a_budget_needs_them(monkeypatch):
     h.solve(cg, low)
     assert len(runs) == 2 * made                                  # made once
 
-
-@pytest.mark.parametrize("seed", range(3))
-def test_lower_peaks_are_sought_only_where_a_peak_binds_and_plan_the_same(seed, monkeypatch):
-    """`_refine` asks for a lower-peak plan only for the picks whose peak binds the chain (BINDS):
-    the same plans as asking for every pick, with fewer segment ILPs."""
-    import remat.planner.hierarchy as H
-
-    cg = block_chain(30 + seed, n_blocks=4, size=6)
-    budgets = exact_budgets(cg, (0.2, 0.5, 0.8))[1]
-    lowered = []
-    lower = H._Family.lower
-    monkeypatch.setattr(H._Family, "lower", lambda self, plan: lowered.append(plan) or lower(self, plan))
-
-    def plans(binds):
-        monkeypatch.setattr(H, "BINDS", binds)
-        lowered.clear()
-        h = HierarchicalSolver(cg, SolveOptions(improve_evals=0))
-        h._compact = None                      # the chain's own plans
-        return [h.solve(cg, b).regions for b in budgets], len(lowered)
-    every, asked_every = plans(1.0)
-    binding, asked = plans(H.BINDS)
-    assert binding == every
-    assert asked < asked_every
-
 # ------------------------------------------------------------------------------ a real model
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "exact-gpt2-3l.json"
 
