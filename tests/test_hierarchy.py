@@ -341,6 +341,24 @@ def test_least_peak_options_are_made_only_when_a_budget_needs_them(monkeypatch):
     h.solve(cg, low)
     assert len(runs) == 2 * made                                  # made once
 
+
+@pytest.mark.parametrize("seed,size", [(0, 5), (1, 6)] + [pytest.param(s, z, marks=pytest.mark.slow)
+                                                         for s, z in [(5, 9), (13, 9), (2, 5), (3, 6), (4, 5)]])
+def test_the_chain_plans_the_same_with_the_least_peak_options_made_when_needed(seed, size):
+    """NOTE [ least peak when needed ]: the chain alone (no polish, no local search) plans the same
+    at budgets from near the floor to near the unplanned peak whether each family's least-peak plans
+    are made first (as they were) or only when needed."""
+    cg = block_chain(seed, n_blocks=4, size=size)
+    budgets = exact_budgets(cg, (0.1, 0.2, 0.5, 0.8))[1]
+
+    def plans(first: bool):
+        h = HierarchicalSolver(cg, SolveOptions(improve_evals=0))
+        h._compact = None
+        if first:
+            h._low_peak_options()
+        return [getattr(h.solve(cg, b), "regions", None) for b in budgets]
+    assert plans(False) == plans(True)
+
 # ------------------------------------------------------------------------------ a real model
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden" / "exact-gpt2-3l.json"
 
