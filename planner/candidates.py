@@ -157,32 +157,32 @@ def make_candidate(cg: CostGraph, region: Region, storage_ids_by_producer: list[
     rc = region_recompute(cg, region)
     if rc.top is None:
         return None
+    lo, hi, storages = region.start, region.end, cg.storages
     work = list(rc.work)
-    t = rc.top - region.start
+    t = rc.top - lo
     work[t] = max(work[t], rc.peak - cg.nodes[rc.top].bwd_extra_bytes)
     saved = set(region.saved)
     drops, caches, release = [], [], []
-    for i in range(region.start, region.end + 1):
+    pays = False        # a storage made in R, not kept, that a node of R holds: recomputed
+    for i in range(lo, hi + 1):
         for sid in storage_ids_by_producer[i]:
-            s = cg.storages[sid]
+            s = storages[sid]
             if i in saved:
                 # SAC cache: handed to the recomputation (and its holders) when it reaches p_s
                 # (NOTE [ liveness ]; simulate.keep_release)
-                inner = [h for h in s.holders if h in region]
+                inner = [h for h in s.holders if lo <= h <= hi]
                 caches.append(sid)
-                release.append(min(inner) if inner and i <= rc.top else region.start)
-            elif s.bytes > 0 and s.holders and region.start <= min(s.holders) and max(s.holders) <= region.end:
-                drops.append(sid)
-    if not drops and not any(cg.storages[sid].bytes > 0 and not cg.storages[sid].output
-                             for i in range(region.start, region.end + 1) if i not in saved
-                             for sid in storage_ids_by_producer[i]
-                             if any(h in region for h in cg.storages[sid].holders)):
+                release.append(min(inner) if inner and i <= rc.top else lo)
+            elif s.bytes > 0 and s.holders:
+                if lo <= min(s.holders) and max(s.holders) <= hi:
+                    drops.append(sid)
+                pays = pays or (not s.output and any(lo <= h <= hi for h in s.holders))
+    if not drops and not pays:
         # nothing dropped and nothing recomputed: no storage lives less, so the region never pays
         # (one that drops nothing can still pay: a storage also held outside is then released
         # after the outer holder's backward, not its first holder's; NOTE [ liveness ])
         return None
-    inputs = sorted({sid for u in range(region.start, region.end + 1) for sid in reads[u]
-                     if cg.storages[sid].producer not in region})
+    inputs = sorted({sid for u in range(lo, hi + 1) for sid in reads[u] if not lo <= storages[sid].producer <= hi})
     return Candidate(region, rc.seconds, rc.flops, tuple(work), tuple(drops), tuple(caches), tuple(release),
                      tuple(inputs))
 

@@ -46,7 +46,9 @@ runs for each).
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 from .costgraph import CostGraph
@@ -229,33 +231,58 @@ def region_recompute(cg: CostGraph, r: Region) -> Recompute:
     return got
 
 
+def _tables(cg: CostGraph) -> tuple:
+    """Per node, what `_region_recompute` reads of it, as plain lists (made once per graph): the
+    storages it makes as (bytes, producer, holders sorted, last reader), its forward extra bytes,
+    FLOPs, cost, ops, and whether a recompute stopping at it runs it (`runs_top`)."""
+    got = cg.memo.get("recompute tables")
+    if got is None:
+        nodes = cg.nodes
+        made = [tuple((s.bytes, s.producer, tuple(sorted(set(s.holders))), last_reader(s)) for s in m)
+                for m in cg.made_by]
+        got = cg.memo["recompute tables"] = (
+            made, [c.fwd_extra_bytes for c in nodes], [c.flops for c in nodes], [c.cost_s for c in nodes],
+            [c.ops for c in nodes], [runs_top(cg, j) for j in range(len(nodes))])
+    return got
+
+
 def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
-    size, lo, hi = r.end - r.start + 1, r.start, r.end
+    """(NOTE [ liveness ]) The storages R's nodes make (not those of its SAC-kept nodes) that a node
+    of R holds are recomputed: each is part of the working set W from its first holder in R to
+    top(R), the last holder in R of any of them, and live in the recomputation's forward from its
+    producer on; the others pass through it, live from their producer to their last reader in R."""
+    made, fwd_extra, flops, cost, ops, runs = _tables(cg)
+    lo, hi = r.start, r.end
+    size = hi - lo + 1
     saved = set(r.saved)
-    inside = [s for i in range(lo, hi + 1) if i not in saved for s in cg.made_by[i]]
-    held = [[h for h in s.holders if lo <= h <= hi] for s in inside]      # each one's holders in r
-    recomputed = [(s, h) for s, h in zip(inside, held) if h]
-    passing = [s for s, h in zip(inside, held) if not h]
-    if not recomputed:
+    work_d, live_d = [0] * (size + 1), [0] * (size + 1)      # difference arrays over R's nodes
+    top, recomputed = -1, []
+    for i in range(lo, hi + 1):
+        if i in saved:
+            continue
+        for b, p, holders, last in made[i]:
+            a, z = bisect_left(holders, lo), bisect_right(holders, hi)
+            if a < z:                                 # held in R: recomputed
+                recomputed.append((b, p, holders[a]))
+                top = max(top, holders[z - 1])
+            elif p + 1 - lo <= min(last, hi) - lo:    # passing: live until its last reader in R
+                live_d[p + 1 - lo] += b
+                live_d[min(last, hi) - lo + 1] -= b
+    if top < 0:
         return Recompute((0,) * size, None, 0, 0, 0.0)
-    top = max(max(h) for _, h in recomputed)
-    diff = [0] * (size + 1)
-    for s, h in recomputed:
-        _prefix_add(diff, min(h) - lo, top - lo, s.bytes)
-    work = _cumsum(diff)
-    # the recomputation's forward, r.start..top: recomputed so far + intermediates still to be read
-    live = [0] * (size + 1)
-    for s, _ in recomputed:
-        _prefix_add(live, s.producer + 1 - lo, size - 1, s.bytes)
-    for s in passing:
-        _prefix_add(live, s.producer + 1 - lo, min(last_reader(s), hi) - lo, s.bytes)
-    live = _cumsum(live)
-    ran = range(r.start, top + 1 if runs_top(cg, top) else top)      # the ops the recomputation runs
+    for b, p, first in recomputed:
+        work_d[first - lo] += b
+        work_d[top - lo + 1] -= b
+        if p + 1 - lo <= size - 1:                    # recomputed so far: live to R's end
+            live_d[p + 1 - lo] += b
+            live_d[size] -= b
+    work = tuple(accumulate(work_d[:-1]))
+    live = list(accumulate(live_d[:-1]))
+    end = top + 1 if runs[top] else top               # the ops the recomputation runs: lo..end-1
     # above what is live outside it: the base at top(R) less what top(R)'s own backward makes
     # (it runs before that backward computes)
-    peak = max((live[j - lo] + cg.nodes[j].fwd_extra_bytes for j in ran), default=0)
+    peak = max((live[j - lo] + fwd_extra[j] for j in range(lo, end)), default=0)
     peak -= made_in_backward(cg)[top]
-    todo = [j for j in ran if j not in saved]
-    overhead = cg.region_s + (cg.sac_op_s * sum(c.ops for c in cg.nodes[r.start:r.end + 1]) if saved else 0.0)
-    return Recompute(tuple(work), top, peak, sum(cg.nodes[j].flops for j in todo),
-                     overhead + sum(cg.nodes[j].cost_s for j in todo))
+    todo = [j for j in range(lo, end) if j not in saved] if saved else range(lo, end)
+    overhead = cg.region_s + (cg.sac_op_s * sum(ops[lo:hi + 1]) if saved else 0.0)
+    return Recompute(work, top, peak, sum(flops[j] for j in todo), overhead + sum(cost[j] for j in todo))
