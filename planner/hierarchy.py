@@ -18,13 +18,13 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    built from planner/solve.py's own pieces; `SegmentILP`) gets one more constraint: K, the bytes
    the segment keeps for backward, at most a level. The epsilon-constraint method on K (the
    cheapest plan keeping at most a level) traces the segment's Pareto front of K against recompute,
-   its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's exact front, made once by a DP over its boundaries
-   (planner/front.py, NOTE [ front DP ]: no CBC run; the ILP answers where the DP would carry too
-   much), and every point of that front is an option too. Plans of least peak at LOW_PEAK levels
-   (made when the floor is sought, or when no chained plan fits a budget without them: NOTE [ least
-   peak when needed ]), and of a lower peak at the options each budget picks, are ILPs with a
-   bound on the peak. Each
-   plan is scored in the context of every segment of its family (`Option`: K, M, recompute).
+   its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's
+   exact front, made once by a DP over its boundaries (planner/front.py, NOTE [ front DP ]: no CBC
+   run; the ILP answers where the DP would carry too much), and every point of that front is an
+   option too. Plans of least peak at LOW_PEAK levels (made when the floor is sought, or when no
+   chained plan fits a budget without them: NOTE [ least peak when needed ]), and of a lower peak
+   at the options each budget picks, are ILPs with a bound on the peak. Each plan is scored in
+   the context of every segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
    and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
@@ -424,7 +424,8 @@ class HierarchicalSolver:
             return None
         regions = best[1]
         if opts.improve_evals:
-            better = improve(self.cg, regions, budget_bytes, evals(self.cg, opts.improve_evals) // LOCAL_SEARCH_BUDGETED,
+            better = improve(self.cg, regions, budget_bytes,
+                             evals(self.cg, opts.improve_evals) // LOCAL_SEARCH_BUDGETED,
                              ctx=self.ctx)
             if better != regions:
                 regions, label = better, label + "; improved by local search"
@@ -472,7 +473,8 @@ class HierarchicalSolver:
         if self.opts.improve_evals:
             known = min(known_plans(self.cg, self.opts.sac).values(), key=key, default=())
             starts = [regions] + ([known] if known and known != regions else [])
-            done = [improve(self.cg, r, None, evals(self.cg, self.opts.improve_evals) // len(starts), ctx=self.ctx) for r in starts]
+            most = evals(self.cg, self.opts.improve_evals) // len(starts)
+            done = [improve(self.cg, r, None, most, ctx=self.ctx) for r in starts]
             better = min(done, key=key)
             if key(better) < key(regions):
                 regions, label = better, label + "; improved by local search"

@@ -91,7 +91,7 @@ class FakeState:
 # A replay whose every tensor is on the meta device (a model built there: `remat report --hf-config`,
 # a 70B planned on a laptop) needs no FakeTensorMode: meta tensors carry no data already, and their
 # kernels are the ones a FakeTensorMode would run for them. Without it the replay runs twice as fast
-# (a Llama-2-7B replay 1.8 -> 0.8 s: FakeTensorMode's dispatch and cache keys were half of it), on
+# (a Llama-2-7B replay 1.8-2.3 -> 0.9-1.3 s: FakeTensorMode's dispatch and cache keys), on
 # meta copies that keep the real tensors' storage sharing (`_MetaCopies`: views of one storage stay
 # views of one), to the same peak (tests/test_capture.py: zoo models on meta, every known plan).
 # What a FakeTensorMode alone can do, it still does: an op with a data-dependent shape or value
