@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.nn.utils.stateless import _reparametrize_module
-from .compat import FakeTensorMode, tree_flatten, tree_map
+from .compat import FakeTensorMode, compute_required_storage_length, tree_flatten, tree_map
 
 from .kernels import device_kernels
 from .rng import rng_preserved
@@ -121,19 +121,18 @@ class _MetaCopies:
     originals (views of one storage stay views of one). The copy of a meta step (NOTE [ meta step ])."""
 
     def __init__(self):
-        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.storages: dict[torch.UntypedStorage, torch.UntypedStorage] = {}   # an original's -> its copy
         self.made: dict[int, torch.Tensor] = {}
 
     def from_tensor(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in self.made:
             real = t.untyped_storage()
-            # a freed storage (FSDP2's gathered parameters between uses) as large as when it computes
-            span = (t.storage_offset() + sum((n - 1) * d for n, d in zip(t.shape, t.stride())) + 1) * t.element_size()
-            if real._cdata not in self.storages:
-                self.storages[real._cdata] = torch.UntypedStorage(max(real.nbytes(), span * bool(t.numel())),
-                                                                  device="meta")
-            st = self.storages[real._cdata]
-            copy = torch.empty(0, dtype=t.dtype, device="meta").set_(st, t.storage_offset(), t.shape, t.stride())
+            if real not in self.storages:
+                # a freed storage (FSDP2's gathered parameters between uses) as large as when it computes
+                need = compute_required_storage_length(t.shape, t.stride(), t.storage_offset()) * t.element_size()
+                self.storages[real] = torch.UntypedStorage(max(real.nbytes(), need), device="meta")
+            copy = torch.empty(0, dtype=t.dtype, device="meta").set_(self.storages[real], t.storage_offset(), t.shape,
+                                                                     t.stride())
             self.made[id(t)] = copy.requires_grad_(t.requires_grad)
         return self.made[id(t)]
 
