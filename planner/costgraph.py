@@ -77,8 +77,8 @@ class CostGraph:
     @cached_property
     def memo(self) -> dict:
         """What the planner derives from this graph alone (its base liveness, each region's
-        recompute, its segments), made once per graph as asked: not a field. A Llama-2-7B plan simulated 19,982
-        regions and 1,927 base livenesses, a few thousand distinct."""
+        recompute, its segments), made once per graph as asked: not a field. A Llama-2-7B plan
+        simulated 19,982 regions and 1,927 base livenesses, a few thousand distinct."""
         return {}
 
     def to_networkx(self):

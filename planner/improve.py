@@ -40,7 +40,6 @@ def evals(cg: CostGraph, wanted: int) -> int:
     return min(wanted, max(AT_LEAST, WORK // len(cg.nodes)))
 
 
-
 class Judge:
     """Peak of a plan under the exact memory model (NOTE [ ILP ] in solve.py): the base liveness
     (simulate.base_liveness) plus the storages the plan keeps and its regions' working sets."""

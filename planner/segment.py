@@ -151,7 +151,7 @@ class SegmentILP:
         prob += self.cap
 
     def _run(self, objective, below: float, nodes: int | None = None, start=None, extra=()):
-        self.cap.constant = -below        # (the model made by the caller, who sets its objective)
+        self.cap.constant = -below        # the model: built by the caller (`build`)
         self.prob.setObjective(objective)
         if start is not None:                  # a plan known to meet the constraints: CBC's first incumbent
             _ilp.set_start(self.cands, self.x, self.y, start)

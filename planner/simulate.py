@@ -265,7 +265,7 @@ def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
             if a < z:                                 # held in R: recomputed
                 recomputed.append((b, p, holders[a]))
                 top = max(top, holders[z - 1])
-            elif p + 1 - lo <= min(last, hi) - lo:    # passing: live until its last reader in R
+            elif p < min(last, hi):                   # passing: live until its last reader in R
                 live_d[p + 1 - lo] += b
                 live_d[min(last, hi) - lo + 1] -= b
     if top < 0:
@@ -273,7 +273,7 @@ def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
     for b, p, first in recomputed:
         work_d[first - lo] += b
         work_d[top - lo + 1] -= b
-        if p + 1 - lo <= size - 1:                    # recomputed so far: live to R's end
+        if p < hi:                                    # recomputed so far: live to R's end
             live_d[p + 1 - lo] += b
             live_d[size] -= b
     work = tuple(accumulate(work_d[:-1]))

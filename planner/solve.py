@@ -331,8 +331,9 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     gap = (opts.rel_gap if obj else 0.0) if sol == pulp.LpSolutionOptimal else _lp_gap(m, obj * _US, opts)
     t0 = time.perf_counter()
-    better = improve(cg, regions, budget_bytes, evals(cg, opts.improve_evals), ctx=ctx) if opts.improve_evals \
-        else regions
+    better = regions
+    if opts.improve_evals:
+        better = improve(cg, regions, budget_bytes, evals(cg, opts.improve_evals), ctx=ctx)
     solve_s += time.perf_counter() - t0
     if better != regions:
         regions, label = better, label + "; improved by local search"
