@@ -6,8 +6,8 @@ NOTE [ chain ]): with regions inside segments, the step's live bytes at node t o
    A DP over the segments (`chain_dp`), its state the bytes kept so far, picks one option per
    segment at the least recompute with sum_{j<i} K_j + M_i within the budget at every segment
    (M_i: the most of base + d_i over segment i's nodes). Its choice then refines the fronts where
-   it lies (REFINE_SOLVES more ILPs per budget, WIDTH at once: the same K at a lower peak for the
-   options picked, gaps next to them), and the DP runs again.
+   it lies (REFINE_SOLVES more segment searches per budget, WIDTH at once: the same K at a lower
+   peak for the options picked, gaps next to them), and the DP runs again.
 5. *The judge.* The chained plan is replayed by `simulate.timeline`; where the chain's prediction
    missed (the decomposition is exact only under NOTE [ chain ]'s conditions) the DP runs again at a
    budget corrected by the miss. On graphs small enough (POLISH_CANDIDATES), the flat ILP then

@@ -21,9 +21,10 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's
    exact front, made once by a DP over its boundaries (planner/front.py, NOTE [ front DP ]: no CBC
    run; the ILP answers where the DP would carry too much), and every point of that front is an
-   option too. Plans of least peak at LOW_PEAK levels (made when the floor is sought, or when no
-   chained plan fits a budget without them: NOTE [ least peak when needed ]), and of a lower peak
-   at the options each budget picks, are ILPs with a bound on the peak. Each plan is scored in
+   option too. Plans of a lower peak at the options each budget picks come from the same DP under a
+   cap on the peak (planner/lower.py, NOTE [ lower DP ]: no CBC run either); plans of least peak at
+   LOW_PEAK levels (made when the floor is sought, or when no chained plan fits a budget without
+   them: NOTE [ least peak when needed ]) are ILPs with a bound on the peak. Each plan is scored in
    the context of every segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
@@ -50,6 +51,7 @@ from .chain import chain_dp, chain_min_peak
 from .costgraph import CostGraph
 from .front import cheapest, front
 from .improve import Search, evals, improve, search
+from .lower import TooMuchWork, cheapest_under
 from .options import SolveOptions
 from .result import Region
 from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
@@ -175,11 +177,18 @@ class _Family:
 
     def lower(self, plan) -> "Job":
         """The cheapest plan keeping no more than `plan` at a lower peak in the segment graph (a block
-        whose working set binds the budget); once per plan."""
+        whose working set binds the budget); once per plan. With the exact front, by the DP of
+        NOTE [ lower DP ] (no CBC run) unless it would carry too much; else by the segment ILP."""
         self.lowered.add(plan)
         k = self.rep.score(plan).kept * _ilp._MB + self.ilp.tol
-        peak = timeline(self.rep.sub, plan).peak_bytes * _ilp._MB - self.ilp.tol
-        return Job(self, lambda ilp: ilp.cheapest(k, peak), _plan_of)
+        peak = timeline(self.rep.sub, plan).peak_bytes
+        if self.exact is not None:
+            try:
+                got = cheapest_under(self.rep.sub, self.ilp.cands, k, peak - math.ceil(self.ilp.tol / _ilp._MB))
+                return Job(self, lambda _: None if got is None else got.plan, lambda p: p, ilp=False)
+            except TooMuchWork:
+                pass
+        return Job(self, lambda ilp: ilp.cheapest(k, peak * _ilp._MB - self.ilp.tol), _plan_of)
 
 
 def _plan_of(got):

@@ -1,0 +1,191 @@
+"""The cheapest plan of a segment keeping at most a level of K and peaking at most a cap, by dynamic
+programming over its node boundaries (pure: no torch, no solver; planner/hierarchy.py's lower-peak
+searches take it instead of the segment ILP with a bound on its peak).
+
+NOTE [ lower DP ]
+The DP of NOTE [ front DP ] (planner/front.py) with the simulator's peak (planner/simulate.py,
+NOTE [ liveness ]) checked at every node as the path passes it. A storage is *kept* by its
+reasons (a holder skipped, a chosen region that reads it or caches it, a holder no region covers)
+and released after the backward of the first of them. Along a path, every node's live bytes are
+those of the steps so far plus one sum of the path, A: the bytes of the storages some reason kept
+before the step. In backward, at node t of a step, the kept storages are those with a reason at or
+before t: A, plus what the step itself keeps by t. In forward, a kept storage is live after its
+last reader; every reason for it lies at or before that reader (a reader is what holds it, or
+what a region takes it as an input of), so at t it is decided. The state is the set of storages
+kept whose reasons are not all past (a later one must not count them twice) or that are still
+read (forward still has them to count); a storage held by a node no region covers is kept on
+every path, so only its release waits on the path. Two paths into one state differ by their K and
+A only, and A less K is the state's: the path keeping less has every later node's live bytes no
+higher, so keeping each state's Pareto set of (K, recompute) loses no plan that fits the cap. A
+step passes when the most of its nodes' live bytes, A plus what depends on the state alone, is
+within the cap; paths past the level of K are dropped at once (K only grows). What the ILP would
+answer (its optimum, without its node limit) is the cheapest point at the last boundary. Of plans
+that tie in K and recompute, the one covering the fewest nodes is kept (the first found, as the
+front DP keeps, took the longer region over free nodes where the ILP had taken the shorter one,
+and the chain polished from it planned up to 55x dearer on a generated chain).
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from operator import itemgetter
+
+from .candidates import Candidate
+from .costgraph import CostGraph
+from .front import FRONT_WORK, Point, _unlink
+from .simulate import base_liveness, last_reader, region_recompute
+from .solve import _MB, _reasons
+
+
+_k, _a = itemgetter(0), itemgetter(3)
+
+
+def _pareto(entries: list[tuple]) -> list[tuple]:
+    """(K, recompute, plan, A, nodes covered) entries no other beats in both K and recompute, K
+    ascending; of equals, the plan covering the fewest nodes (then the first)."""
+    out = []
+    for e in sorted(entries, key=lambda e: (e[0], e[1], e[4])):
+        if not out or e[1] < out[-1][1]:
+            out.append(e)
+    return out
+
+
+class TooMuchWork(Exception):
+    """The DP would carry more than its work limit, or the graph is outside what it models: the
+    caller asks the segment ILP instead."""
+
+
+def _prepare(cg: CostGraph, cands: list[Candidate]):
+    """Per storage its reasons as (boundary where they act, node after whose backward they release),
+    and the per-node arrays the steps read."""
+    n = len(cg.nodes)
+    sink = n - 1
+    coverable = [False] * n
+    starts: list[list[int]] = [[] for _ in range(n + 1)]
+    for j, c in enumerate(cands):
+        starts[c.region.start].append(j)
+        for i in range(c.region.start, c.region.end + 1):
+            coverable[i] = True
+    skip_ev: list[list[int]] = [[] for _ in range(n)]          # node -> storages a skip there keeps
+    cand_ev: list[dict[int, int]] = [{} for _ in cands]         # candidate -> {storage: release node}
+    info = {}                 # storage -> (bytes, MB counted in K or None, sure, last acting boundary, last reader)
+    for sid, r in enumerate(_reasons(cg, cands, coverable)):
+        if r is None:
+            continue
+        xs, holders, fixed = r
+        s = cg.storages[sid]
+        acts = list(holders)
+        for h in holders:
+            skip_ev[h].append(sid)
+        for q, js in xs.items():
+            for j in js:
+                cand_ev[j][sid] = min(q, cand_ev[j].get(sid, q))
+                acts.append(cands[j].region.start)
+        if fixed is not None:
+            skip_ev[fixed].append(sid)
+            acts.append(fixed)
+        if not acts:
+            continue
+        counted = (fixed is None or fixed == sink) and bool(holders or xs)
+        reader = last_reader(s)
+        if fixed is None and max(acts) > reader:
+            raise TooMuchWork(f"storage {sid} may be kept by a reason after its last reader")
+        info[sid] = (s.bytes, s.bytes * _MB if counted else None, fixed is not None, max(acts), reader, fixed)
+    base = base_liveness(cg)
+    sure_fwd = [0] * (n + 1)           # forward: kept on every path (a holder no region covers), after its reader
+    sure_before = [0] * (n + 2)        # bytes of those whose uncovered holder is before each boundary
+    for sid, (b, _, sure, _, reader, fixed) in info.items():
+        if sure:
+            sure_fwd[reader + 1] += b
+            sure_before[fixed + 1] += b
+    for i in range(1, n + 1):
+        sure_fwd[i] += sure_fwd[i - 1]
+        sure_before[i] += sure_before[i - 1]
+    return starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before
+
+
+def cheapest_under(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: int,
+                   work: int = FRONT_WORK) -> Point | None:
+    """The cheapest plan of `cg` over `cands` keeping at most `level_mb` MB (K as the segment ILP reads
+    it) whose simulated peak (simulate.timeline) is at most `cap` bytes, or None when none is
+    (NOTE [ lower DP ]). Raises TooMuchWork past `work` carried entries."""
+    n = len(cg.nodes)
+    starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before = _prepare(cg, cands)
+    level = level_mb + 1e-9
+    fwd_fixed = [base.fwd[t] + sure_fwd[t] for t in range(n)]      # forward bytes no path changes
+    skips = [([base.bwd[t]], None, base.bwd[t], fwd_fixed[t]) for t in range(n)]
+    steps: list = [None] * len(cands)
+
+    def step_of(j: int):
+        """Candidate j's nodes' backward bytes before what is kept, its top's (index, bytes before
+        what is kept), and the most of each pass over its nodes (for the quick tests)."""
+        if steps[j] is None:
+            r = cands[j].region
+            rc = region_recompute(cg, r)
+            pre = [base.bwd[t] + rc.work[t - r.start] for t in range(r.start, r.end + 1)]
+            top = None
+            if rc.top is not None:
+                top = (rc.top - r.start, base.bwd[rc.top] - cg.nodes[rc.top].bwd_extra_bytes + rc.peak)
+            steps[j] = (pre, top, max(pre + [top[1]] if top else pre), max(fwd_fixed[r.start:r.end + 1]))
+        return steps[j]
+
+    # per boundary: state -> list of (K MB, recompute s, plan as a linked list, A bytes, nodes in regions)
+    at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
+    at[0][frozenset()] = [(0.0, 0.0, None, 0, 0)]
+
+    def move(b: int, state: frozenset, held: tuple, entries: list, keeps: dict, to: int, region, cost: float,
+             step) -> None:
+        new = {s: q for s, q in keeps.items() if s not in state}
+        add_a = sum(info[s][0] for s in new)
+        add_k = sum(info[s][1] for s, q in new.items() if info[s][1] is not None and q != info[s][5])
+        pre, top, most_b, most_f = step
+        held_sure, pending, pending_b = held
+        new_ns = [s for s in new if not info[s][2]]
+        # live bytes at the step's nodes less A, the same for every entry of the state: bounded first
+        worst = max(most_b + add_a, most_f - held_sure + sum(info[s][0] for s in new_ns))
+        if entries[-1][3] + worst > cap and entries[0][3] + most_b <= cap:
+            span = to - b
+            kept_at, read_at = [0] * span, [0] * (span + 1)
+            for s, q in new.items():
+                kept_at[q - b] += info[s][0]
+            for reader, by in pending:               # still read in forward: live after their reader
+                if reader + 1 - b >= span:
+                    break
+                read_at[reader + 1 - b] += by
+            for s in new_ns:
+                if info[s][4] + 1 - b < span:
+                    read_at[info[s][4] + 1 - b] += info[s][0]
+            worst, kb, fb = -10**30, 0, -held_sure - pending_b
+            for k in range(span):
+                kb, fb = kb + kept_at[k], fb + read_at[k]
+                bwd = pre[k] + kb
+                if top is not None and top[0] == k:
+                    bwd = max(bwd, top[1] + kb)
+                worst = max(worst, bwd, fwd_fixed[b + k] + fb)
+        # the entries within the cap and the level: a prefix (K ascending, A with it)
+        last = min(bisect_right(entries, cap - worst, key=_a), bisect_right(entries, level - add_k, key=_k))
+        covers = 0 if region is None else to - b
+        got = [(k + add_k, c + cost, (region, p) if region is not None else p, a + add_a, v + covers)
+               for k, c, p, a, v in entries[:last]]
+        if got:
+            nxt = frozenset(s for s in (*state, *new) if (info[s][3] if info[s][2] else info[s][4]) >= to)
+            at[to].setdefault(nxt, []).extend(got)
+
+    carried = 0
+    for b in range(n):
+        for state, entries in at[b].items():
+            entries = _pareto(entries)            # K ascending, and A with it (A less K is the state's)
+            carried += len(entries) * (1 + len(starts[b]))
+            if carried > work:
+                raise TooMuchWork(f"more than {work} entries")
+            pending = sorted((info[s][4], info[s][0]) for s in state if not info[s][2])
+            held = (sure_before[b] + sum(info[s][0] for s in state if info[s][2]), pending, sum(by for _, by in pending))
+            move(b, state, held, entries, {s: b for s in skip_ev[b]}, b + 1, None, 0.0, skips[b])
+            for j in starts[b]:
+                c = cands[j]
+                move(b, state, held, entries, cand_ev[j], c.region.end + 1, c.region, c.cost_s, step_of(j))
+        at[b] = {}
+    final = _pareto([e for entries in at[n].values() for e in entries])
+    if not final:
+        return None
+    k, c, p, _, _ = final[-1]
+    return Point(k, c, _unlink(p))
