@@ -21,11 +21,12 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's
    exact front, made once by a DP over its boundaries (planner/front.py, NOTE [ front DP ]: no CBC
    run; the ILP answers where the DP would carry too much), and every point of that front is an
-   option too. Plans of a lower peak at the options each budget picks come from the same DP under a
-   cap on the peak (planner/lower.py, NOTE [ lower DP ]: no CBC run either); plans of least peak at
+   option too. Plans of a lower peak at the options each budget picks, and of least peak at
    LOW_PEAK levels (made when the floor is sought, or when no chained plan fits a budget without
-   them: NOTE [ least peak when needed ]) are ILPs with a bound on the peak. Each plan is scored in
-   the context of every segment of its family (`Option`: K, M, recompute).
+   them: NOTE [ least peak when needed ]), come from the same DP with the peak checked at every node
+   (planner/lower.py, NOTE [ lower DP ]: no CBC run either); where the DP would carry too much,
+   from the segment ILP with a bound on the peak. Each plan is scored in the context of every
+   segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
    and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
@@ -51,7 +52,7 @@ from .chain import chain_dp, chain_min_peak
 from .costgraph import CostGraph
 from .front import cheapest, front
 from .improve import Search, evals, improve, search
-from .lower import TooMuchWork, cheapest_under
+from .lower import TooMuchWork, cheapest_under, least_peak_under
 from .options import SolveOptions
 from .result import Region
 from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
@@ -171,8 +172,16 @@ class _Family:
         return Job(self, lambda ilp: ilp.cheapest(mid, start=below[2]), take)
 
     def least_peak(self, at: int) -> "Job":
-        """The least-peak plan keeping at most the K of front point `at`."""
+        """The least-peak plan keeping at most the K of front point `at`: with the exact front, by the
+        DP of NOTE [ lower DP ] (the cheapest of least peak; no CBC run) unless it would carry too
+        much; else by the segment ILP (a short search)."""
         k = self.front[at][0]
+        if self.exact is not None:
+            try:
+                got = least_peak_under(self.rep.sub, self.ilp.cands, k + self.ilp.tol)
+                return Job(self, lambda _: None if got is None else got.plan, lambda p: p, ilp=False)
+            except TooMuchWork:
+                pass
         return Job(self, lambda ilp: ilp.least_peak(k), _plan_of)
 
     def lower(self, plan) -> "Job":

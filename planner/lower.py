@@ -1,6 +1,7 @@
-"""The cheapest plan of a segment keeping at most a level of K and peaking at most a cap, by dynamic
-programming over its node boundaries (pure: no torch, no solver; planner/hierarchy.py's lower-peak
-searches take it instead of the segment ILP with a bound on its peak).
+"""The cheapest plan of a segment keeping at most a level of K and peaking at most a cap, and the plan
+of least peak, by dynamic programming over its node boundaries (pure: no torch, no solver;
+planner/hierarchy.py's lower-peak and least-peak searches take them instead of the segment ILP
+with a bound on its peak).
 
 NOTE [ lower DP ]
 The DP of NOTE [ front DP ] (planner/front.py) with the simulator's peak (planner/simulate.py,
@@ -23,6 +24,9 @@ answer (its optimum, without its node limit) is the cheapest point at the last b
 that tie in K and recompute, the one covering the fewest nodes is kept (the first found, as the
 front DP keeps, took the longer region over free nodes where the ILP had taken the shorter one,
 and the chain polished from it planned up to 55x dearer on a generated chain).
+The least peak within a level (`least_peak_under`) is the same DP with the peak so far in place of
+the recompute: of two paths into one state, the one keeping no more at a peak no higher has every
+later peak no higher. The cheapest plan within that peak is then `cheapest_under`'s.
 """
 from __future__ import annotations
 
@@ -108,6 +112,28 @@ def cheapest_under(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: 
     """The cheapest plan of `cg` over `cands` keeping at most `level_mb` MB (K as the segment ILP reads
     it) whose simulated peak (simulate.timeline) is at most `cap` bytes, or None when none is
     (NOTE [ lower DP ]). Raises TooMuchWork past `work` carried entries."""
+    final = _dp(cg, cands, level_mb, cap, work)
+    if not final:
+        return None
+    k, c, p, _, _ = final[-1]
+    return Point(k, c, _unlink(p))
+
+
+def least_peak_under(cg: CostGraph, cands: list[Candidate], level_mb: float, work: int = FRONT_WORK) -> Point | None:
+    """The cheapest of the plans of least simulated peak keeping at most `level_mb` MB, or None when
+    every plan keeps more: the least peak by the DP with the peak so far in place of the recompute
+    (of two paths into one state, the one keeping no more at a peak no higher loses nothing), then
+    the cheapest plan within it. Raises TooMuchWork past `work` carried entries (in either DP)."""
+    final = _dp(cg, cands, level_mb, None, work)
+    if not final:
+        return None
+    return cheapest_under(cg, cands, level_mb, min(e[1] for e in final), work)
+
+
+def _dp(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: int | None, work: int) -> list[tuple]:
+    """The Pareto set at the last boundary of (K, recompute) over the plans within `cap` (or, with
+    `cap` None, of (K, peak) over every plan) keeping at most `level_mb` MB, as entries (K, recompute
+    or peak, plan as a linked list, A, nodes covered)."""
     n = len(cg.nodes)
     starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before = _prepare(cg, cands)
     level = level_mb + 1e-9
@@ -128,44 +154,56 @@ def cheapest_under(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: 
             steps[j] = (pre, top, max(pre + [top[1]] if top else pre), max(fwd_fixed[r.start:r.end + 1]))
         return steps[j]
 
-    # per boundary: state -> list of (K MB, recompute s, plan as a linked list, A bytes, nodes in regions)
+    def worst_of(b: int, to: int, held: tuple, new: dict, new_ns: list, step) -> int:
+        """The most live bytes less A over the step's nodes, b..to-1."""
+        pre, top, _, _ = step
+        held_sure, pending, pending_b = held
+        span = to - b
+        kept_at, read_at = [0] * span, [0] * (span + 1)
+        for s, q in new.items():
+            kept_at[q - b] += info[s][0]
+        for reader, by in pending:               # still read in forward: live after their reader
+            if reader + 1 - b >= span:
+                break
+            read_at[reader + 1 - b] += by
+        for s in new_ns:
+            if info[s][4] + 1 - b < span:
+                read_at[info[s][4] + 1 - b] += info[s][0]
+        worst, kb, fb = -10**30, 0, -held_sure - pending_b
+        for k in range(span):
+            kb, fb = kb + kept_at[k], fb + read_at[k]
+            bwd = pre[k] + kb
+            if top is not None and top[0] == k:
+                bwd = max(bwd, top[1] + kb)
+            worst = max(worst, bwd, fwd_fixed[b + k] + fb)
+        return worst
+
+    # per boundary: state -> list of (K MB, recompute s or peak, plan as a linked list, A bytes, nodes in regions)
     at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
-    at[0][frozenset()] = [(0.0, 0.0, None, 0, 0)]
+    at[0][frozenset()] = [(0.0, 0.0 if cap is not None else 0, None, 0, 0)]
 
     def move(b: int, state: frozenset, held: tuple, entries: list, keeps: dict, to: int, region, cost: float,
              step) -> None:
         new = {s: q for s, q in keeps.items() if s not in state}
         add_a = sum(info[s][0] for s in new)
         add_k = sum(info[s][1] for s, q in new.items() if info[s][1] is not None and q != info[s][5])
-        pre, top, most_b, most_f = step
-        held_sure, pending, pending_b = held
         new_ns = [s for s in new if not info[s][2]]
         # live bytes at the step's nodes less A, the same for every entry of the state: bounded first
-        worst = max(most_b + add_a, most_f - held_sure + sum(info[s][0] for s in new_ns))
-        if entries[-1][3] + worst > cap and entries[0][3] + most_b <= cap:
-            span = to - b
-            kept_at, read_at = [0] * span, [0] * (span + 1)
-            for s, q in new.items():
-                kept_at[q - b] += info[s][0]
-            for reader, by in pending:               # still read in forward: live after their reader
-                if reader + 1 - b >= span:
-                    break
-                read_at[reader + 1 - b] += by
-            for s in new_ns:
-                if info[s][4] + 1 - b < span:
-                    read_at[info[s][4] + 1 - b] += info[s][0]
-            worst, kb, fb = -10**30, 0, -held_sure - pending_b
-            for k in range(span):
-                kb, fb = kb + kept_at[k], fb + read_at[k]
-                bwd = pre[k] + kb
-                if top is not None and top[0] == k:
-                    bwd = max(bwd, top[1] + kb)
-                worst = max(worst, bwd, fwd_fixed[b + k] + fb)
-        # the entries within the cap and the level: a prefix (K ascending, A with it)
-        last = min(bisect_right(entries, cap - worst, key=_a), bisect_right(entries, level - add_k, key=_k))
+        _, _, most_b, most_f = step
+        worst = max(most_b + add_a, most_f - held[0] + sum(info[s][0] for s in new_ns))
+        last = bisect_right(entries, level - add_k, key=_k)     # within the level: a prefix (K ascending)
         covers = 0 if region is None else to - b
-        got = [(k + add_k, c + cost, (region, p) if region is not None else p, a + add_a, v + covers)
-               for k, c, p, a, v in entries[:last]]
+        if cap is not None:
+            if entries[-1][3] + worst > cap and entries[0][3] + most_b <= cap:
+                worst = worst_of(b, to, held, new, new_ns, step)
+            last = min(last, bisect_right(entries, cap - worst, key=_a))   # within the cap: a prefix (A with K)
+            got = [(k + add_k, c + cost, (region, p) if region is not None else p, a + add_a, v + covers)
+                   for k, c, p, a, v in entries[:last]]
+        else:
+            if any(a + worst > peak for _, peak, _, a, _ in entries[:last]):
+                worst = worst_of(b, to, held, new, new_ns, step)
+            got = [(k + add_k, max(peak, a + worst), (region, p) if region is not None else p, a + add_a, v + covers)
+                   for k, peak, p, a, v in entries[:last]]
         if got:
             nxt = frozenset(s for s in (*state, *new) if (info[s][3] if info[s][2] else info[s][4]) >= to)
             at[to].setdefault(nxt, []).extend(got)
@@ -184,8 +222,4 @@ def cheapest_under(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: 
                 c = cands[j]
                 move(b, state, held, entries, cand_ev[j], c.region.end + 1, c.region, c.cost_s, step_of(j))
         at[b] = {}
-    final = _pareto([e for entries in at[n].values() for e in entries])
-    if not final:
-        return None
-    k, c, p, _, _ = final[-1]
-    return Point(k, c, _unlink(p))
+    return _pareto([e for entries in at[n].values() for e in entries])

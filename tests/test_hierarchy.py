@@ -311,14 +311,14 @@ def test_solve_plan_takes_the_hierarchical_path_on_large_graphs_of_blocks():
 
 def test_least_peak_options_are_made_only_when_a_budget_needs_them(monkeypatch):
     """NOTE [ least peak when needed ]: a budget the chain meets without them runs no least-peak
-    segment ILP; the floor search makes them (once), and so does a budget the chain cannot meet
+    segment search; the floor search makes them (once), and so does a budget the chain cannot meet
     without them (here: the chain's own least peak, no polish and no local search to reach it)."""
     import remat.planner.hierarchy as H
 
     cg = block_chain(7, n_blocks=4, size=9)
-    runs = []
-    least_peak = H.SegmentILP.least_peak
-    monkeypatch.setattr(H.SegmentILP, "least_peak", lambda self, below: runs.append(below) or least_peak(self, below))
+    runs = []                                  # least-peak searches (by the DP here: NOTE [ lower DP ])
+    least_peak = H._Family.least_peak
+    monkeypatch.setattr(H._Family, "least_peak", lambda self, at: runs.append(at) or least_peak(self, at))
 
     def solver(**kw):
         h = HierarchicalSolver(cg, SolveOptions(improve_evals=0))

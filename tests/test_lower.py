@@ -9,7 +9,7 @@ import pytest
 
 from remat.planner import solve as _ilp
 from remat.planner.front import cheapest, front
-from remat.planner.lower import TooMuchWork, cheapest_under
+from remat.planner.lower import TooMuchWork, cheapest_under, least_peak_under
 from remat.planner.options import SolveOptions
 from remat.planner.simulate import timeline
 from test_front import _families, _ilp_kept, _plans
@@ -56,6 +56,30 @@ def test_the_lower_dp_is_the_cheapest_plan_within_both_bounds(seed):
     assert checked >= 40                     # bounds judged: the test judged something
 
 
+@pytest.mark.parametrize("seed", [3, 4, pytest.param(6, marks=pytest.mark.slow), pytest.param(9, marks=pytest.mark.slow)])
+def test_the_least_peak_dp_is_the_cheapest_plan_of_least_peak(seed):
+    """At levels of K taken from the plans, the least-peak DP's plan has the least simulated peak of
+    every plan keeping at most the level, and the least recompute of those."""
+    checked = 0
+    for size in (5, 7):
+        for fam, ilp in _families(seed, size=size):
+            plans = _every_plan(fam, ilp)
+            if plans is None:
+                continue
+            levels = sorted({k for _, k, _, _ in plans})
+            for level in levels[::max(1, len(levels) // 6)] + [levels[-1], levels[0] - 1]:
+                within = [(p, c) for _, k, p, c in plans if k <= level + 1e-9]
+                got = least_peak_under(ilp.sub, ilp.cands, level)
+                assert (got is None) == (not within)
+                if got is not None:
+                    least = min(p for p, _ in within)
+                    assert timeline(ilp.sub, got.plan).peak_bytes == least
+                    assert got.cost_s == pytest.approx(min(c for p, c in within if p == least), rel=1e-12, abs=1e-15)
+                    assert _ilp_kept(ilp, got.plan) <= level + 1e-6
+                checked += 1
+    assert checked >= 10
+
+
 @pytest.mark.parametrize("seed", [20, 22, 26])
 def test_the_lower_dp_answers_what_the_segment_ilp_answers(seed):
     """For each front point's plan, the cheapest plan keeping no more at a lower peak (the hierarchy's
@@ -76,8 +100,9 @@ def test_the_lower_dp_answers_what_the_segment_ilp_answers(seed):
 
 
 def test_the_hierarchy_lowers_peaks_by_the_dp_and_falls_back_to_the_ilp(monkeypatch):
-    """Where a family's exact front was made, its lower-peak searches run no CBC; past the DP's work
-    limit they are the segment ILP's again, and the plan for the budget fits either way."""
+    """Where a family's exact front was made, its lower-peak and least-peak searches run no CBC;
+    past the DP's work limit they are the segment ILP's again, and the plan for the budget fits
+    either way."""
     import remat.planner.hierarchy as H
     import remat.planner.lower as L
     from remat.planner.segment import SegmentILP
@@ -88,19 +113,29 @@ def test_the_hierarchy_lowers_peaks_by_the_dp_and_falls_back_to_the_ilp(monkeypa
     monkeypatch.setattr(SegmentILP, "cheapest",
                         lambda self, below, peak_below=None, start=None:
                         asked.append(peak_below if self.cands else None) or real(self, below, peak_below, start))
+    least = []
+    real_least = SegmentILP.least_peak
+    monkeypatch.setattr(SegmentILP, "least_peak",
+                        lambda self, below: least.append(bool(self.cands)) or real_least(self, below))
     h = H.HierarchicalSolver(cg, SolveOptions(improve_evals=0))
     assert all(f.exact is not None for f in h.families if f.ilp.cands)
     by_dp = h.solve(cg, budget)
     assert by_dp is not None and timeline(cg, by_dp.regions).peak_bytes <= budget
     assert any(f.lowered for f in h.families) and not [p for p in asked if p is not None]
+    floor = h.min_peak()
+    assert h.low_done and not any(least)
+    assert timeline(cg, floor.regions).peak_bytes <= timeline(cg, by_dp.regions).peak_bytes
 
     def limited(*args, **kwargs):
         raise TooMuchWork("limit")
     monkeypatch.setattr(H, "cheapest_under", limited)
+    monkeypatch.setattr(H, "least_peak_under", limited)
     h = H.HierarchicalSolver(cg, SolveOptions(improve_evals=0))
     by_ilp = h.solve(cg, budget)
     assert by_ilp is not None and timeline(cg, by_ilp.regions).peak_bytes <= budget
     assert [p for p in asked if p is not None]
+    h.min_peak()
+    assert any(least)
     assert L.cheapest_under is not limited
 
 
