@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from .baselines import blocks, known_plans, sac_keepable
 from .costgraph import CostGraph, same_unit
+from .nogc import paused
 from .options import SolveOptions
 from .result import Region
 from .simulate import base_liveness, region_recompute, runs_top
@@ -297,6 +298,7 @@ def efficient_spans(space: SearchSpace, span: int) -> list[tuple[float, int, int
     return out
 
 
+@paused
 def candidates(cg: CostGraph, opts: SolveOptions = SolveOptions(), space: SearchSpace | None = None) -> list[Candidate]:
     """All candidate regions, each in its plain and (if different) SAC form; on large graphs,
     those between cuts (`opts.max_cuts`, `opts.max_span`) plus the `EXTRA` most efficient ones of

@@ -53,6 +53,7 @@ from .costgraph import CostGraph
 from .front import cheapest, front
 from .improve import Search, evals, improve, search
 from .lower import TooMuchWork, cheapest_under, least_peak_under
+from .nogc import paused
 from .options import SolveOptions
 from .result import Region
 from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
@@ -410,6 +411,7 @@ class HierarchicalSolver:
             self._compact = list(cands.values()) if 0 < len(cands) <= POLISH_CANDIDATES else None
         return self._compact
 
+    @paused
     def solve(self, cg: CostGraph, budget_bytes: int, opts: SolveOptions | None = None,
               warm_start: tuple[Region, ...] = (), cands=None, ctx: Search | None = None):
         """Least-recompute plan whose simulated peak fits `budget_bytes`: the chain (NOTE [ chain ]),
@@ -471,6 +473,7 @@ class HierarchicalSolver:
             effective = nxt
         return best
 
+    @paused
     def min_peak(self, *args, **kwargs):
         """Regions of least peak, like solve_min_peak: the chain's least budget, polished on small
         graphs, then local search from it and from the known plan of least peak."""
@@ -530,6 +533,7 @@ def _settled(cg: CostGraph, segs: list[Segment]) -> list[frozenset]:
     return [frozenset(x) for x in out]
 
 
+@paused
 def for_graph(cg: CostGraph, opts: SolveOptions, ctx: Search) -> HierarchicalSolver | None:
     """The hierarchical solver where it is the better path, else None (the flat path): the graph
     has more start/end pairs than the exact flat ILP takes (candidates.FULL_PAIRS) and the caller

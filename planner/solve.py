@@ -51,6 +51,7 @@ from .cbc import cbc, cbc_command
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .improve import Search, evals, improve, search
+from .nogc import paused
 from .options import SolveOptions
 from .result import Region
 from .simulate import base_liveness, last_reader, timeline
@@ -311,6 +312,7 @@ def _lp_gap(m: Model, objective: float, opts: SolveOptions) -> float:
     return max(0.0, (objective - (bound or 0.0)) / objective)
 
 
+@paused
 def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOptions(),
               warm_start: tuple[Region, ...] = (), cands: list[Candidate] | None = None,
               ctx: Search | None = None, cbc_options: tuple[str, ...] = ()) -> Solution | None:
@@ -345,6 +347,7 @@ def _key(cg: CostGraph, regions) -> tuple[int, float]:
     return tl.peak_bytes, tl.recompute_s
 
 
+@paused
 def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
                    cands: list[Candidate] | None = None, ctx: Search | None = None) -> Solution:
     """Regions that minimise the peak (recompute cost breaks ties): CBC for `min_peak_nodes`

@@ -442,3 +442,35 @@ def test_segment_ilps_solved_at_once_give_the_plans_solved_one_by_one(monkeypatc
     monkeypatch.setattr(H.SegmentILP, "cheapest", lambda self, below, peak_below=None, start=None:
                         cold(self, below, peak_below))
     assert plans()[1] == at_once[1]
+
+
+def test_the_solver_runs_with_the_cyclic_gc_paused_and_gives_it_back(monkeypatch):
+    """NOTE [ solving without the cyclic GC ]: the hierarchical solve's DPs run with the collector
+    off; after it, and after a solve that raises, the collector is on again, and a caller that had
+    it off finds it off."""
+    import gc
+
+    import remat.planner.hierarchy as H
+    from remat.planner.nogc import paused
+    seen = []
+    real = H.chain_dp
+    monkeypatch.setattr(H, "chain_dp", lambda *a: seen.append(gc.isenabled()) or real(*a))
+    cg = block_chain(3, n_blocks=4, size=5)
+    assert gc.isenabled()
+    h = H.HierarchicalSolver(cg, SolveOptions(improve_evals=0))
+    h.solve(cg, (timeline(cg, ()).peak_bytes + cg.fixed_bytes) // 2)
+    assert seen and not any(seen) and gc.isenabled()
+
+    @paused
+    def fails():
+        assert not gc.isenabled()
+        raise ValueError("inside")
+    with pytest.raises(ValueError):
+        fails()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        paused(lambda: None)()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

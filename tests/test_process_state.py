@@ -1,10 +1,12 @@
 """`remat`'s entry points called in a process (a test, a notebook, a training script) leave it as
 they found it: loggers, the environment, torch's global settings and RNG, the attention-kernel
-override (planner.kernels), warning filters, matplotlib's backend. A snapshot is taken before and
+override (planner.kernels), warning filters, the garbage collector (NOTE [ solving without the
+cyclic GC ]), matplotlib's backend. A snapshot is taken before and
 after each call and compared field by field.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -75,7 +77,7 @@ def _python_state() -> dict:
             "logging disabled": logging.root.manager.disable, "random": random.getstate(),
             "numpy random": repr(np.random.get_state()) if np else None, "cwd": os.getcwd(),
             "streams": (sys.stdout, sys.stderr), "sys.path": list(sys.path),
-            "recursion limit": sys.getrecursionlimit()}
+            "recursion limit": sys.getrecursionlimit(), "gc": (gc.isenabled(), gc.get_threshold())}
 
 
 def _remat_state() -> dict:
