@@ -173,32 +173,33 @@ class _Family:
         return Job(self, lambda ilp: ilp.cheapest(mid, start=below[2]), take)
 
     def least_peak(self, at: int) -> "Job":
-        """The least-peak plan keeping at most the K of front point `at`: with the exact front, by the
-        DP of NOTE [ lower DP ] (the cheapest of least peak; no CBC run) unless it would carry too
-        much; else by the segment ILP (a short search)."""
+        """The least-peak plan keeping at most the K of front point `at` (the cheapest of least peak
+        by the DP, `_by_dp`; else the segment ILP's short search)."""
         k = self.front[at][0]
-        if self.exact is not None:
-            try:
-                got = least_peak_under(self.rep.sub, self.ilp.cands, k + self.ilp.tol)
-                return Job(self, lambda _: None if got is None else got.plan, lambda p: p, ilp=False)
-            except TooMuchWork:
-                pass
-        return Job(self, lambda ilp: ilp.least_peak(k), _plan_of)
+        return (self._by_dp(lambda: least_peak_under(self.rep.sub, self.ilp.cands, k + self.ilp.tol))
+                or Job(self, lambda ilp: ilp.least_peak(k), _plan_of))
 
     def lower(self, plan) -> "Job":
         """The cheapest plan keeping no more than `plan` at a lower peak in the segment graph (a block
-        whose working set binds the budget); once per plan. With the exact front, by the DP of
-        NOTE [ lower DP ] (no CBC run) unless it would carry too much; else by the segment ILP."""
+        whose working set binds the budget; by the DP, `_by_dp`, else the segment ILP); once per plan."""
         self.lowered.add(plan)
         k = self.rep.score(plan).kept * _ilp._MB + self.ilp.tol
         peak = timeline(self.rep.sub, plan).peak_bytes
-        if self.exact is not None:
-            try:
-                got = cheapest_under(self.rep.sub, self.ilp.cands, k, peak - math.ceil(self.ilp.tol / _ilp._MB))
-                return Job(self, lambda _: None if got is None else got.plan, lambda p: p, ilp=False)
-            except TooMuchWork:
-                pass
-        return Job(self, lambda ilp: ilp.cheapest(k, peak * _ilp._MB - self.ilp.tol), _plan_of)
+        cap = peak - math.ceil(self.ilp.tol / _ilp._MB)       # lower by the ILP's tolerance, as it reads it
+        return (self._by_dp(lambda: cheapest_under(self.rep.sub, self.ilp.cands, k, cap))
+                or Job(self, lambda ilp: ilp.cheapest(k, peak * _ilp._MB - self.ilp.tol), _plan_of))
+
+    def _by_dp(self, answer) -> "Job | None":
+        """A job answered now by `answer()` (a DP of NOTE [ lower DP ]: a Point, or None for no plan),
+        with no CBC run, where the exact front was made; None where it was not or the DP would
+        carry too much (the caller asks the segment ILP)."""
+        if self.exact is None:
+            return None
+        try:
+            got = answer()
+        except TooMuchWork:
+            return None
+        return Job(self, lambda _: None if got is None else got.plan, lambda p: p, ilp=False)
 
 
 def _plan_of(got):

@@ -71,7 +71,9 @@ def _prepare(cg: CostGraph, cands: list[Candidate]):
             coverable[i] = True
     skip_ev: list[list[int]] = [[] for _ in range(n)]          # node -> storages a skip there keeps
     cand_ev: list[dict[int, int]] = [{} for _ in cands]         # candidate -> {storage: release node}
-    info = {}                 # storage -> (bytes, MB counted in K or None, sure, last acting boundary, last reader)
+    # storage -> (bytes, MB counted in K or None, sure: held by a node no region covers, the last
+    # boundary a reason acts at, its last reader, that uncovered holder or None)
+    info = {}
     for sid, r in enumerate(_reasons(cg, cands, coverable)):
         if r is None:
             continue
@@ -216,7 +218,8 @@ def _dp(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: int | None,
             if carried > work:
                 raise TooMuchWork(f"more than {work} entries")
             pending = sorted((info[s][4], info[s][0]) for s in state if not info[s][2])
-            held = (sure_before[b] + sum(info[s][0] for s in state if info[s][2]), pending, sum(by for _, by in pending))
+            held_sure = sure_before[b] + sum(info[s][0] for s in state if info[s][2])
+            held = (held_sure, pending, sum(by for _, by in pending))
             move(b, state, held, entries, {s: b for s in skip_ev[b]}, b + 1, None, 0.0, skips[b])
             for j in starts[b]:
                 c = cands[j]
