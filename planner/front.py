@@ -54,13 +54,25 @@ def _counted(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
     return out
 
 
-def _pareto(points: list[tuple]) -> list[tuple]:
-    """(K, cost, ...) entries no other beats in both, K ascending; the first of equals stays."""
+def _pareto(points: list[tuple], key=lambda p: (p[0], p[1])) -> list[tuple]:
+    """(K, cost, ...) entries no other beats in both, K ascending; of equals, the first in `key`'s
+    order (by default the first found) stays."""
     out = []
-    for p in sorted(points, key=lambda p: (p[0], p[1])):
+    for p in sorted(points, key=key):
         if not out or p[1] < out[-1][1]:
             out.append(p)
     return out
+
+
+def boundaries(n: int, cands: list[Candidate]) -> tuple[list[bool], list[list[int]]]:
+    """Per node whether some candidate covers it, and per boundary 0..n the candidates starting there."""
+    coverable = [False] * n
+    starts: list[list[int]] = [[] for _ in range(n + 1)]
+    for j, c in enumerate(cands):
+        starts[c.region.start].append(j)
+        for i in range(c.region.start, c.region.end + 1):
+            coverable[i] = True
+    return coverable, starts
 
 
 def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list[Point] | None:
@@ -68,12 +80,7 @@ def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list
     K in MB as the segment ILP reads it. Plans in `cg`'s indices. None when the DP would carry more
     than `work` entries (a count, not a clock: every machine gives up on the same segments)."""
     n = len(cg.nodes)
-    coverable = [False] * n
-    starts: list[list[int]] = [[] for _ in range(n + 1)]
-    for j, c in enumerate(cands):
-        starts[c.region.start].append(j)
-        for i in range(c.region.start, c.region.end + 1):
-            coverable[i] = True
+    coverable, starts = boundaries(n, cands)
     counted = _counted(cg, cands, coverable)
     by_holder: list[list[int]] = [[] for _ in range(n)]
     by_cand: list[list[int]] = [[] for _ in cands]

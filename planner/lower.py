@@ -35,7 +35,8 @@ from operator import itemgetter
 
 from .candidates import Candidate
 from .costgraph import CostGraph
-from .front import FRONT_WORK, Point, _unlink
+from .front import FRONT_WORK, Point, _unlink, boundaries
+from .front import _pareto as front_pareto
 from .simulate import base_liveness, last_reader, region_recompute
 from .solve import _MB, _reasons
 
@@ -46,11 +47,7 @@ _k, _a = itemgetter(0), itemgetter(3)
 def _pareto(entries: list[tuple]) -> list[tuple]:
     """(K, recompute, plan, A, nodes covered) entries no other beats in both K and recompute, K
     ascending; of equals, the plan covering the fewest nodes (then the first)."""
-    out = []
-    for e in sorted(entries, key=lambda e: (e[0], e[1], e[4])):
-        if not out or e[1] < out[-1][1]:
-            out.append(e)
-    return out
+    return front_pareto(entries, key=lambda e: (e[0], e[1], e[4]))
 
 
 class TooMuchWork(Exception):
@@ -63,12 +60,7 @@ def _prepare(cg: CostGraph, cands: list[Candidate]):
     and the per-node arrays the steps read."""
     n = len(cg.nodes)
     sink = n - 1
-    coverable = [False] * n
-    starts: list[list[int]] = [[] for _ in range(n + 1)]
-    for j, c in enumerate(cands):
-        starts[c.region.start].append(j)
-        for i in range(c.region.start, c.region.end + 1):
-            coverable[i] = True
+    coverable, starts = boundaries(n, cands)
     skip_ev: list[list[int]] = [[] for _ in range(n)]          # node -> storages a skip there keeps
     cand_ev: list[dict[int, int]] = [{} for _ in cands]         # candidate -> {storage: release node}
     # storage -> (bytes, MB counted in K or None, sure: held by a node no region covers, the last
@@ -114,11 +106,7 @@ def cheapest_under(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: 
     """The cheapest plan of `cg` over `cands` keeping at most `level_mb` MB (K as the segment ILP reads
     it) whose simulated peak (simulate.timeline) is at most `cap` bytes, or None when none is
     (NOTE [ lower DP ]). Raises TooMuchWork past `work` carried entries."""
-    final = _dp(cg, cands, level_mb, cap, work)
-    if not final:
-        return None
-    k, c, p, _, _ = final[-1]
-    return Point(k, c, _unlink(p))
+    return _cheapest(_dp(cg, cands, _prepare(cg, cands), level_mb, cap, work))
 
 
 def least_peak_under(cg: CostGraph, cands: list[Candidate], level_mb: float, work: int = FRONT_WORK) -> Point | None:
@@ -126,18 +114,28 @@ def least_peak_under(cg: CostGraph, cands: list[Candidate], level_mb: float, wor
     every plan keeps more: the least peak by the DP with the peak so far in place of the recompute
     (of two paths into one state, the one keeping no more at a peak no higher loses nothing), then
     the cheapest plan within it. Raises TooMuchWork past `work` carried entries (in either DP)."""
-    final = _dp(cg, cands, level_mb, None, work)
+    prepared = _prepare(cg, cands)
+    final = _dp(cg, cands, prepared, level_mb, None, work)
     if not final:
         return None
-    return cheapest_under(cg, cands, level_mb, min(e[1] for e in final), work)
+    return _cheapest(_dp(cg, cands, prepared, level_mb, min(e[1] for e in final), work))
 
 
-def _dp(cg: CostGraph, cands: list[Candidate], level_mb: float, cap: int | None, work: int) -> list[tuple]:
+def _cheapest(final: list[tuple]) -> Point | None:
+    """The last boundary's cheapest entry (the last of the Pareto set) as a Point; None when none."""
+    if not final:
+        return None
+    k, c, p, _, _ = final[-1]
+    return Point(k, c, _unlink(p))
+
+
+def _dp(cg: CostGraph, cands: list[Candidate], prepared: tuple, level_mb: float, cap: int | None,
+        work: int) -> list[tuple]:
     """The Pareto set at the last boundary of (K, recompute) over the plans within `cap` (or, with
     `cap` None, of (K, peak) over every plan) keeping at most `level_mb` MB, as entries (K, recompute
-    or peak, plan as a linked list, A, nodes covered)."""
+    or peak, plan as a linked list, A, nodes covered); `prepared`: `_prepare(cg, cands)`."""
     n = len(cg.nodes)
-    starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before = _prepare(cg, cands)
+    starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before = prepared
     level = level_mb + 1e-9
     fwd_fixed = [base.fwd[t] + sure_fwd[t] for t in range(n)]      # forward bytes no path changes
     skips = [([base.bwd[t]], None, base.bwd[t], fwd_fixed[t]) for t in range(n)]
