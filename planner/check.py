@@ -5,11 +5,32 @@ ones). Before a graph is profiled, it and the model's own forward run one traini
 cheap slice of the example inputs (the first sample, when every batched input shares its first
 dimension and the graph reads sizes at run time; else the inputs as given) under the same seed:
 outputs, and the gradients of a fixed random projection of them with respect to every trainable
-parameter and every input that requires grad, must agree to rounding (relative error at most
-TOLERANCE, and the same gradients missing). Nothing of the model changes (buffers, RNG, `.grad`).
-A disagreement is returned as a sentence; planner.api then takes the next capture path.
+parameter and every input that requires grad, must agree to rounding, and the same gradients
+must be missing. Nothing of the model changes (buffers, RNG, `.grad`). A disagreement is
+returned as a sentence naming the tensor, its norm in the model and in the graph, and the
+error's; planner.api then takes the next capture path.
+
+NOTE [ the check's tolerance ]
+Rounding is relative to the sizes of the numbers a result is computed from, not to the result:
+a gradient that is zero in exact arithmetic (a query projection's, when every key sees the same
+value: one repeated token) comes out as noise of the size of its upstream gradients times the
+machine epsilon, and a graph that orders its sums differently gets other noise: its error is as
+large as its norm. So an error (the norm of graph - model, over the tensor) counts only when it
+exceeds, with `tol` = TOLERANCE for the reference's dtype (LOW below float32):
+- tol x the tensor's own norm in the model (a relative error), and
+- tol x the tensor's share of its group's scale: the group's norm (every float output, or every
+  gradient, of the model) x sqrt(the tensor's elements / the group's elements), i.e. tol x the
+  group's root-mean-square element, per element of the tensor (`share`);
+and is above FLOOR (nothing at all). A wrong graph (a term dropped, another dropout mask, a
+sign flipped) is caught in a tensor of small norm as long as its error per element is more than
+tol of the group's root-mean-square element: only in a tensor whose whole gradient is below that
+(1e-4 of the group's typical element, in float32) is a wrong graph not told from rounding.
+tests/test_check_tolerance.py has both: noise in a vanishing gradient, and a gradient a hundredth of
+the others' per element flipped, halved or dropped out differently.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from .compat import tree_flatten, tree_map
@@ -20,6 +41,7 @@ from .trace import Traced
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}   # relative; lower precisions: LOW
 LOW = 2e-2
+FLOOR = 1e-12           # an error norm at most this is none (NOTE [ the check's tolerance ])
 
 
 def skipped(args: tuple, kwargs: dict, model: torch.nn.Module) -> str | None:
@@ -58,7 +80,32 @@ def _step(run, params: list[torch.Tensor], inputs: list[torch.Tensor]):
     return [t.detach() for t in leaves], list(grads)
 
 
-def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+def group_scale(tensors: list[torch.Tensor | None]) -> tuple[float, int]:
+    """The squared norm and the number of elements of the float tensors of `tensors` (NaN as 0)."""
+    sq, n = 0.0, 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            sq += t.detach().double().nan_to_num(0.0, 0.0, 0.0).square().sum().item()
+            n += t.numel()
+    return sq, n
+
+
+def share(scale: tuple[float, int], numel: int) -> float:
+    """A tensor of `numel` elements' share of its group's norm: the norm it would have if each
+    of its elements were the group's root-mean-square element."""
+    sq, n = scale
+    return math.sqrt(sq * numel / n) if n else 0.0
+
+
+def _norms(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The norms of the model's `b`, the graph's `a` and their difference, as words."""
+    ref, got, err = b.norm().item(), a.norm().item(), (a - b).norm().item()
+    return f"norm {ref:.3g} in the model, {got:.3g} in the graph, error {err:.3g}"
+
+
+def _differs(a: torch.Tensor | None, b: torch.Tensor | None, scale: tuple[float, int]) -> str | None:
+    """What differs between the graph's `a` and the model's `b`, else None; `scale`: the group's
+    (`group_scale` of the model's tensors), NOTE [ the check's tolerance ]."""
     if (a is None) != (b is None):
         return "a gradient the model has is missing" if a is None else "a gradient the model has not is there"
     if a is None:
@@ -71,9 +118,9 @@ def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
     if not torch.equal(a.isnan(), b.isnan()):
         return "NaN where the model has none" if a.isnan().any() else "no NaN where the model has one"
     a, b = a.double().nan_to_num(0.0), b.double().nan_to_num(0.0)
-    scale, err = b.norm().item(), (a - b).norm().item()
-    if err > tol * scale and err > 1e-12:
-        return f"relative error {err / max(scale, 1e-30):.2g}"
+    own, err = b.norm().item(), (a - b).norm().item()
+    if err > tol * own and err > tol * share(scale, b.numel()) and err > FLOOR:
+        return f"relative error {err / max(own, 1e-30):.2g}: {_norms(a, b)}"
     return None
 
 
@@ -111,13 +158,15 @@ def _compare(want, got, names: list[str]) -> str | None:
     (out_w, grads_w), (out_g, grads_g) = want, got
     if len(out_w) != len(out_g):
         return f"the graph returns {len(out_g)} tensors, the model {len(out_w)}"
+    scale = group_scale(out_w)
     for i, (a, b) in enumerate(zip(out_g, out_w)):
-        why = _differs(a, b)
+        why = _differs(a, b, scale)
         if why:
             return f"output {i} differs ({why})"
     labels = names + [f"input {i}" for i in range(len(grads_w) - len(names))]
+    scale = group_scale(grads_w)
     for name, a, b in zip(labels, grads_g, grads_w):
-        why = _differs(a, b)
+        why = _differs(a, b, scale)
         if why:
             return f"the gradient of {name} differs ({why})"
     return None
