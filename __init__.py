@@ -11,7 +11,21 @@ so `import remat` imports neither torch nor the solver until a name is used.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .planner.lazy import lazy_exports
+
+if TYPE_CHECKING:   # the exports where they are defined, for type checkers and the API reference's griffe
+    from .planner.api import analyze, plan
+    from .planner.budget import parse_budget
+    from .planner.costgraph import CostGraph
+    from .planner.errors import (BudgetError, ForwardError, InfeasibleBudgetError, PlanMismatchError, RematError,
+                                 SolverError, TraceError, UnsafePlanError)
+    from .planner.options import PlanOptions, SolveOptions
+    from .planner.result import Plan, Region
+    from .runtime.api import Remat, apply, plan_and_wrap, remove
+    from .runtime.measure.peak import peak_memory
+    from .runtime.testing import assert_fits
 
 __version__ = "0.1.0"
 

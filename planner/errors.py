@@ -15,12 +15,14 @@ class RematError(Exception):
 
 class InfeasibleBudgetError(RematError):
     """No plan fits the budget; `min_feasible_bytes` is the smallest budget that does, by the
-    prediction `source` names. The message prints it in `unit`, rounded up: typed back in as the
-    budget, it fits."""
+    prediction `source` names (`"the exact replay on fake tensors"`, ...). The message prints it
+    in `unit`, rounded up: typed back in as the budget, it fits."""
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, source: str = "", unit: str | None = "GB"):
         self.budget_bytes = int(budget_bytes)
+        """The budget asked for, in bytes."""
         self.min_feasible_bytes = int(min_feasible_bytes)
+        """The smallest budget that fits, in bytes."""
         self.source, self.unit = source, unit
         floor = size_text(min_feasible_bytes, unit, round_up=True)
         super().__init__(
@@ -43,7 +45,9 @@ class TraceError(RematError):
 
     def __init__(self, where: str, cause: str):
         self.where = where
+        """What could not be traced (`"GPT2LMHeadModel.forward"`)."""
         self.cause = cause
+        """Why not."""
         super().__init__(f"cannot trace {where}: {cause}")
 
     def __reduce__(self):
@@ -52,7 +56,8 @@ class TraceError(RematError):
 
 class ForwardError(RematError):
     """The model's own forward raised on the example inputs: a bug in the model or its inputs,
-    not something a tracer could not follow."""
+    not something a tracer could not follow. `model` is the model's name, `cause` the exception
+    its forward raised."""
 
     def __init__(self, model: str, cause: BaseException):
         self.model, self.cause = model, cause
@@ -69,6 +74,7 @@ class SolverError(RematError):
 
     def __init__(self, status: str, detail: str = ""):
         self.status = status
+        """The solver's status."""
         self.detail = detail
         super().__init__(f"ILP solver returned status {status!r}. {detail}".strip())
 

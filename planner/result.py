@@ -13,10 +13,21 @@ from .errors import gb
 @dataclass(frozen=True)
 class Region:
     """Nodes start..end (inclusive) run under one checkpoint; `saved` nodes keep their outputs
-    (SAC MUST_SAVE) instead of being recomputed."""
+    (SAC MUST_SAVE) instead of being recomputed.
+
+    Examples:
+        >>> from remat import Region
+        >>> r = Region(4, 9, saved=(6,))
+        >>> 4 in r, 10 in r
+        (True, False)
+    """
     start: int
+    """The first node of the region (an index into `Plan.node_names`)."""
     end: int
+    """The last node of the region, inclusive."""
     saved: tuple[int, ...] = ()
+    """Nodes inside the region whose outputs are kept rather than recomputed (a selective
+    checkpointing region); empty: everything inside is recomputed."""
 
     def __contains__(self, i: int) -> bool:
         return self.start <= i <= self.end
@@ -24,23 +35,61 @@ class Region:
 
 @dataclass(frozen=True)
 class Plan:
+    """Checkpoint regions over the step's graph (its nodes in execution order) and their
+    predicted effect. `model.remat.plan`, `remat.plan` and `remat.assert_fits` give one;
+    `to_json` and `from_json` carry it to another machine, where `remat.apply` installs it.
+    Sizes are bytes, times seconds.
+
+    Examples:
+        >>> import torch
+        >>> from remat import Plan, plan
+        >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+        >>> p = plan(m, 1.0, example_inputs=(torch.randn(32, 64),))
+        >>> p.predicted_peak_bytes <= p.budget_bytes, Plan.from_json(p.to_json()) == p
+        (True, True)
+    """
     regions: tuple[Region, ...]
+    """The checkpoint regions, in node order; empty when the step fits without checkpointing."""
     budget_bytes: int
-    predicted_peak_bytes: int          # simulated peak of the step under this plan
-    unplanned_peak_bytes: int          # simulated peak without checkpointing
-    min_feasible_bytes: int | None     # smallest peak any plan reaches (None: not computed)
+    """The budget the plan was made for, in bytes (a `'%'` budget resolved)."""
+    predicted_peak_bytes: int
+    """The step's predicted peak under this plan, its margin included (`PlanOptions.safety_margin`,
+    `PlanOptions.replay_margin`): simulated by `remat.plan`; `plan_and_wrap` and the CLI replay
+    the rewritten step exactly on fake tensors (in compile mode, they measure it); `notes` says
+    which."""
+    unplanned_peak_bytes: int
+    """The simulated peak of the step without checkpointing."""
+    min_feasible_bytes: int | None
+    """The smallest peak any plan reaches: the smallest budget that fits. None: not computed
+    (`PlanOptions.find_min_feasible`)."""
     recompute_flops: int
-    total_flops: int                   # forward FLOPs of one step (the loss included)
-    recompute_s: float                 # estimated extra time (roofline estimate)
-    forward_s: float                   # estimated forward time, same estimate
-    solver: str                        # "none" (fits unplanned), "ilp", or a baseline's name
-    status: str                        # solver status: "optimal", "feasible (node or time limit)"
-    gap: float                         # relative optimality gap the solver proved
+    """Forward FLOPs run again in backward under this plan."""
+    total_flops: int
+    """Forward FLOPs of one step (the loss included)."""
+    recompute_s: float
+    """Estimated extra time of one step: the recompute, by `cost_model`."""
+    forward_s: float
+    """Estimated forward time of one step, by the same estimate."""
+    solver: str
+    """What made the plan: `"none"` (the step fits without checkpointing), `"ilp"`, or the name
+    of the hand-made plan that won (`"every_block"`, `"sqrt"`, `"sac_every_block"`)."""
+    status: str
+    """The solver's status: `"optimal"`, `"feasible (node or time limit)"`, ..."""
+    gap: float
+    """The relative optimality gap the solver proved (NaN: none proven; `gap_text`)."""
     solve_s: float
+    """Seconds the solve took."""
     node_names: tuple[str, ...] = ()
-    opaque: tuple[tuple[str, str], ...] = ()   # untraceable modules planned as single nodes
+    """The names of the graph's nodes, in order (`Region.start` and `end` index them; the last
+    is the loss); a module-tree plan's are its submodules' names."""
+    opaque: tuple[tuple[str, str], ...] = ()
+    """Untraceable submodules planned as single nodes: (module name, why)."""
     notes: tuple[str, ...] = ()
+    """What the plan's numbers rest on, in words (which prediction, which fallbacks)."""
     meta: dict = field(default_factory=dict)
+    """What the capture, profile and runtime recorded: the graph's provenance (`trace_path`,
+    `device`, input shapes), `peak_phase`, `cost_model`, and with `time=True` the measured
+    `timing`; read through the properties below."""
 
     @property
     def trace_path(self) -> str:
@@ -60,13 +109,17 @@ class Plan:
 
     @property
     def extra_compute_pct(self) -> float:
+        """The estimated recompute as a percentage of the estimated forward:
+        100 * `recompute_s` / `forward_s` (0 when `forward_s` is 0)."""
         return 100.0 * self.recompute_s / self.forward_s if self.forward_s else 0.0
 
     def to_json(self) -> str:
+        """The plan as JSON text, every field included; `Plan.from_json` reads it back."""
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """The plan `to_json` wrote (install it with `remat.apply`)."""
         d = json.loads(text)
         d["regions"] = tuple(Region(r["start"], r["end"], tuple(r["saved"])) for r in d["regions"])
         for k in ("node_names", "notes"):
@@ -81,6 +134,10 @@ class Plan:
         return "no proven bound" if self.gap != self.gap else f"gap {self.gap:.1%}"
 
     def summary(self) -> str:
+        """The plan in lines of text: budget and predicted peak (unplanned, smallest feasible,
+        the phase that holds it), recompute and its estimated share of the forward, the solver,
+        how the graph was captured, then one line per region, opaque module and note, and the
+        measured timing when the plan was timed."""
         lines = [
             f"budget {gb(self.budget_bytes)} | predicted peak {gb(self.predicted_peak_bytes)}"
             f" (unplanned {gb(self.unplanned_peak_bytes)}"

@@ -1,6 +1,6 @@
 """A pytest helper: fail a test when a model's training step does not fit a memory budget.
 
-    from remat.runtime.testing import assert_fits
+    from remat import assert_fits
 
     def test_decoder_fits_24gb():
         model, x, y = make_decoder()
@@ -32,9 +32,23 @@ def assert_fits(model: torch.nn.Module, inputs, budget_gb, loss_fn: Callable | N
     `inputs` is a tuple (positional), a dict (keyword) or one tensor; `loss_fn(output) -> scalar`
     is optional (without it room is kept for a loss holding one tensor of the output's size).
     With `measure`, one real step also runs under the plan and its measured peak must fit too;
-    gradients, buffers and the RNG state are restored afterwards.
+    gradients, buffers and the RNG state are restored afterwards. `time_limit_s` is the ILP's
+    wall-clock limit per solve ([`SolveOptions.time_limit_s`][remat.SolveOptions.time_limit_s]).
     Raises AssertionError (one line, with the smallest feasible budget) when it does not fit;
     ValueError or TypeError for bad arguments; the planner's errors when the model cannot be traced.
+
+    It plans the way `remat check` does (fake-tensor profile, ILP, exact replay of the rewritten
+    step on fake tensors), so it needs no GPU and allocates no activation memory.
+
+    Examples:
+        ```python
+        from remat import assert_fits
+
+        def test_decoder_fits_24gb():
+            model, x, y = make_decoder()
+            plan = assert_fits(model, (x,), 24, loss_fn=lambda out: F.cross_entropy(out, y))
+            assert plan.extra_compute_pct < 25
+        ```
     """
     budget = as_budget(budget_gb)
     args, kwargs = split_inputs(inputs)
