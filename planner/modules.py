@@ -15,6 +15,7 @@ step per measurement, at the real size.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 import pulp
 import torch
 
-from .cbc import cbc, cbc_command
+from .cbc import cbc, cbc_command, variable
+from .errors import SolverError
 from .state import step_preserved
 from .step import run_step, tensors, training_loss
 from .storage import LiveBytes, unlinked
+
+log = logging.getLogger("remat.planner")
 
 CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -188,14 +192,15 @@ _TIE = 1e-9     # weight of the transient working set in the objective: a tie-br
 
 
 def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10.0) -> tuple[int, ...] | None:
-    """The least-time set of units whose estimated peak fits `budget_bytes` (None: none does).
+    """The least-time set of units whose estimated peak fits `budget_bytes`; None when none does,
+    or when CBC found no set in its time (logged): the caller falls back to its measured floor.
 
     min sum t_k x_k  s.t.  peak - sum (freed_k - added_k) x_k + z <= budget,  z >= transient_k x_k.
     """
     n = len(prof.units)
     prob = pulp.LpProblem("units", pulp.LpMinimize)
-    x = [pulp.LpVariable(f"x{k}", cat="Binary") for k in range(n)]
-    z = pulp.LpVariable("z", lowBound=0)
+    x = [variable(prob, f"x{k}", cat=pulp.LpBinary) for k in range(n)]
+    z = variable(prob, "z", low=0)
     # the objective in microseconds (CBC's tolerances suit that size); z only breaks ties
     prob += pulp.lpSum(u.time_s * _US * x[k] for k, u in enumerate(prof.units)) + _TIE * z
     prob += (prof.peak_bytes - pulp.lpSum((u.freed_bytes - u.added_bytes) * x[k] for k, u in enumerate(prof.units))
@@ -203,6 +208,24 @@ def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10
     for k, u in enumerate(prof.units):
         prob += z >= u.transient_bytes * x[k]
     cbc(prob, cbc_command(timeLimit=time_limit_s))
-    if pulp.LpStatus[prob.status] != "Optimal":
+    return chosen_units(prob, x)
+
+
+def chosen_units(prob: pulp.LpProblem, x: list) -> tuple[int, ...] | None:
+    """The units a solved `prob` picks (`x`: their binaries); None when it is infeasible or CBC
+    stopped without a solution (a time limit). A unit in no term of the problem (it did not run:
+    nothing to free, nothing to cost) is not picked. SolverError: a solution without a value for
+    a variable CBC was given."""
+    status = pulp.LpStatus.get(prob.status, str(prob.status))
+    if prob.status == pulp.LpStatusInfeasible:
         return None
-    return tuple(k for k in range(n) if x[k].value() > 0.5)
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        log.warning("module-tree ILP: CBC stopped without a solution (status %s, solution %s): no set of "
+                    "units from the solver", status, pulp.LpSolution.get(prob.sol_status, prob.sol_status))
+        return None
+    given = {v.name for v in prob.variables()}
+    values = [v.value() for v in x]
+    lost = [v.name for v, got in zip(x, values) if got is None and v.name in given]
+    if lost:
+        raise SolverError(status, f"CBC's solution has no value for {', '.join(lost)}")
+    return tuple(k for k, got in enumerate(values) if got is not None and got > 0.5)

@@ -656,3 +656,42 @@ def test_hugging_faces_output_capturing_hooks_keep_the_graph():
         assert torch.equal(loss, ref_loss)
         assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
     assert wrapped.remat.plan_for(**half) is wrapped.remat.plan_for(**ex.kwargs)   # one plan for both
+
+
+def _units(*units) -> "ModuleProfile":
+    from remat.planner.modules import ModuleProfile, Unit
+    return ModuleProfile(tuple(Unit(*u) for u in units), peak_bytes=1000, forward_s=0.1)
+
+
+# a unit that frees 100 bytes, and one that did not run in the profiled step (a layer drop skipped it)
+_RAN_AND_SKIPPED = (("a", 1, 100, 0, 10, 0.01), ("skipped", 0, 0, 0, 0, 0.0))
+
+
+def test_a_unit_that_did_not_run_is_not_picked_by_the_module_tree_ilp():
+    """Issue 41, item 5: the skipped unit is in no term of the ILP, so CBC never saw its binary,
+    whose value stayed None and reached `> 0.5` (TypeError: '>' not supported between
+    'NoneType' and 'float')."""
+    from remat.planner.modules import solve_units
+    prof = _units(*_RAN_AND_SKIPPED)
+    assert solve_units(prof, 950) == (0,)
+    assert solve_units(prof, 2000) == ()
+    assert solve_units(prof, 850) is None          # infeasible: nothing frees enough
+
+
+def test_a_module_tree_ilp_without_a_solution_falls_back_and_one_without_values_raises(monkeypatch, caplog):
+    """Each status of the module-tree ILP is read before its values: CBC stopped at its time
+    limit with no set found gives None (the runtime then takes its measured floor), logged; a
+    solution whose values are missing is a SolverError, not arithmetic on None."""
+    import pulp
+    from remat.planner import modules
+    from remat.planner.errors import SolverError
+    prof = _units(*_RAN_AND_SKIPPED)
+    monkeypatch.setattr(modules, "cbc", lambda prob, solver: prob.assignStatus(
+        pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound))
+    with caplog.at_level(logging.WARNING, "remat.planner"):
+        assert modules.solve_units(prof, 950) is None
+    assert "CBC stopped without a solution (status Not Solved" in caplog.text
+    monkeypatch.setattr(modules, "cbc", lambda prob, solver: prob.assignStatus(
+        pulp.LpStatusOptimal, pulp.LpSolutionOptimal))             # "solved", no value assigned
+    with pytest.raises(SolverError, match="no value for x0$"):
+        modules.solve_units(prof, 950)
