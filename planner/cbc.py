@@ -29,9 +29,23 @@ bundled CBC (2.10) a 23-variable segment ILP of the built-in gpt2 hung in 8 of 6
 `threads 1` and in none of 60 without; a plan of gpt2 spent 20 of its 22 s in two such waits, and
 the plan it got depended on which solves hung. Without the option CBC's search is serial, as
 deterministic as one thread, so one thread is asked for by leaving `threads` out.
+
+NOTE [ PuLP's deprecation warnings ]
+PuLP 3.3 warns (DeprecationWarning, its 4.0 migration notices) on spellings remat used: an
+`LpVariable(...)` built directly, `prob.constraints` read as a dict, and any `PULP_CBC_CMD`
+made. A user's pytest shows every one, once per variable of every ILP remat builds. Where PuLP
+has a spelling that does not warn, it is here for every module that builds a problem:
+`variable` (`prob.add_variable` where this PuLP has it) and `constraints_of`
+(`prob.constraints()` where it is a call); `problem_key` and planner/modules.py use them
+(planner/solve.py and planner/segment.py still build `LpVariable`s themselves:
+tests/test_quiet.py's xfail says so). PuLP's bundled CBC has no such spelling (its replacement,
+COIN_CMD, needs a CBC installed apart), so `cbc_command` makes it with PuLP's
+DeprecationWarnings ignored for that one call (`quiet`): `warnings.catch_warnings` swaps the
+process's filters, not a thread's, so the block holds only PuLP's constructor.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +54,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 import zlib
 from array import array
 from collections import OrderedDict
@@ -60,9 +75,36 @@ DISK_FORMAT = 1
 COUNTS = {"solved": 0, "memo": 0, "disk": 0}   # CBC runs, and results taken from each store (benchmarks)
 
 
+@contextlib.contextmanager
+def quiet():
+    """PuLP's own DeprecationWarnings ignored in the block, nothing else (NOTE [ PuLP's
+    deprecation warnings ]): keep the block to the one PuLP call that warns."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"pulp(\.|$)")
+        yield
+
+
 def cbc_command(threads: int = 1, **kw) -> pulp.PULP_CBC_CMD:
-    """CBC as every solve runs it (NOTE [ CBC's threads ])."""
-    return pulp.PULP_CBC_CMD(msg=False, threads=threads if threads > 1 else None, **kw)
+    """CBC as every solve runs it (NOTE [ CBC's threads ]), made without PuLP's warning that its
+    bundled CBC goes in PuLP 4.0 (NOTE [ PuLP's deprecation warnings ])."""
+    with quiet():
+        return pulp.PULP_CBC_CMD(msg=False, threads=threads if threads > 1 else None, **kw)
+
+
+def variable(prob: pulp.LpProblem, name: str, low: float | None = None, up: float | None = None,
+             cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    """A variable of `prob`, spelled as this PuLP has it without a warning: `prob.add_variable`
+    (PuLP >= 3.3), else `LpVariable` (NOTE [ PuLP's deprecation warnings ])."""
+    add = getattr(prob, "add_variable", None)
+    return add(name, low, up, cat=cat) if add is not None else pulp.LpVariable(name, low, up, cat)
+
+
+def constraints_of(prob: pulp.LpProblem) -> list:
+    """`prob`'s constraints in the order they were added, as (name, constraint), spelled as this
+    PuLP has it without a warning: `prob.constraints()` where it is a call (PuLP >= 3.3: a list;
+    a constraint added without a name has name None there), else the dict's items."""
+    cons = prob.constraints
+    return [(c.name, c) for c in cons()] if callable(cons) else list(cons.items())
 
 
 def problem_key(prob, solver) -> str:
@@ -77,7 +119,7 @@ def problem_key(prob, solver) -> str:
         h.update(array("d", e.values()).tobytes())
     if prob.objective is not None:
         terms(prob.objective)
-    for name, c in prob.constraints.items():
+    for name, c in constraints_of(prob):
         h.update(f"|{name} {c.sense} {c.constant!r}|".encode())
         terms(c)
     vs = prob.variables()
