@@ -204,13 +204,14 @@ def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=
     """Plan checkpoint regions so that one training step of `model` fits `budget`: a number of GB
     (10^9 bytes) or a string ('24GB', '8GiB', '40%' of the unplanned peak). With `optimizer`,
     the step includes `optimizer.step()` (its state and temporaries). Predicted by the simulator
-    (plus `options.safety_margin`); `runtime.plan_and_wrap` also replays the plan exactly.
+    (plus `options.safety_margin`); `remat.plan_and_wrap` also replays the plan exactly.
 
-    >>> import torch
-    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    >>> p = plan(m, 1.0, example_inputs=(torch.randn(32, 64),))
-    >>> p.regions, p.predicted_peak_bytes <= p.budget_bytes
-    ((), True)
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+        >>> p = plan(m, 1.0, example_inputs=(torch.randn(32, 64),))
+        >>> p.regions, p.predicted_peak_bytes <= p.budget_bytes
+        ((), True)
     """
     budget = as_budget(budget)
     a = analyze_for(model, example_inputs, example_kwargs, loss_fn, options, optimizer)

@@ -429,11 +429,12 @@ def _finish(cg: CostGraph, p: Plan) -> Plan:
 def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOptions = PlanOptions(),
                measure: Measure | None = None) -> Plan | None:
     """`plan`'s regions on `cg` (the same graph, by node names, at other input shapes, dtypes or
-    keyword values), predicted as `solve_plan` predicts them (the measure, else the simulator),
-    when that fits `budget_bytes`; None when the graph differs or the regions do not fit there.
-    One prediction, no solve: a run's later shapes keep its plan (runtime.api)."""
-    names = tuple(c.name for c in cg.nodes)
-    if names != plan.node_names:
+    keyword values; or one that differs only after the last region, as a loss divided by
+    Trainer's num_items_in_batch does), predicted as `solve_plan` predicts them (the measure,
+    else the simulator), when that fits `budget_bytes`; None when the graph differs or the
+    regions do not fit there. One prediction, no solve: a run's later shapes keep its plan
+    (runtime.api)."""
+    if not same_where_planned(tuple(c.name for c in cg.nodes), plan):
         return None
     margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
     pb = _Problem(cg, int(budget_bytes), options, [], None, {}, {}, measure, margin)
@@ -446,3 +447,12 @@ def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOption
                                    gap=plan.gap, solve_s=0.0, recompute_flops=tl.recompute_flops,
                                    recompute_s=tl.recompute_s, **_base(cg, int(budget_bytes), pb.predict(()),
                                                                       plan.opaque))), pb)
+
+
+def same_where_planned(names: tuple[str, ...], plan: Plan) -> bool:
+    """`names` (a graph's nodes) are `plan.node_names` up to the node after its last region, and
+    the loss (the last node) is in no region: the regions mean the same there."""
+    if names == plan.node_names:
+        return True
+    end = max((r.end for r in plan.regions), default=-1) + 2
+    return end < min(len(names), len(plan.node_names)) and names[:end] == plan.node_names[:end]

@@ -13,6 +13,7 @@ import pulp
 
 from . import solve as _ilp
 from .blocks import Segment
+from .cbc import variable
 from .candidates import FULL_PAIRS, SearchSpace, candidates
 from .costgraph import CostGraph, NodeCost, StorageCost
 from .options import SolveOptions
@@ -135,7 +136,7 @@ class SegmentILP:
             return
         sub = self.sub
         prob = self.prob = pulp.LpProblem("segment", pulp.LpMinimize)
-        self.B = pulp.LpVariable("B", 0)
+        self.B = variable(prob, "B", 0)
         self.x, self.y, covering, coverable = _ilp._path(prob, self.cands, len(sub.nodes))
         lines = _ilp._keep(prob, sub, self.cands, self.x, self.y, coverable)
         _ilp._budget_lines(prob, sub, self.cands, self.x, covering, lines, self.B, False)

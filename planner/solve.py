@@ -47,7 +47,7 @@ from typing import NamedTuple
 import pulp
 
 from .baselines import known_plans
-from .cbc import cbc, cbc_command
+from .cbc import cbc, cbc_command, constraints_of, variable
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .improve import Search, evals, improve, search
@@ -147,7 +147,7 @@ def _at_most(prob, lhs, rhs) -> None:
     """prob += lhs <= rhs; a constant lhs over a constant budget makes the problem infeasible."""
     if isinstance(lhs, (int, float)) and isinstance(rhs, (int, float)):
         if lhs > rhs:
-            prob += pulp.LpVariable(f"infeasible{len(prob.constraints)}", 0, 0) >= 1
+            prob += variable(prob, f"infeasible{len(constraints_of(prob))}", 0, 0) >= 1
         return
     prob += lhs <= rhs
 
@@ -155,8 +155,8 @@ def _at_most(prob, lhs, rhs) -> None:
 def _path(prob, cands: list[Candidate], n: int):
     """[Path]: the chosen regions are disjoint. Returns x, y, the candidates covering each node
     (with work there), and which nodes any candidate covers."""
-    x = [pulp.LpVariable(f"x{j}", cat="Binary") for j in range(len(cands))]
-    y = [pulp.LpVariable(f"y{i}", 0, 1) for i in range(n)]
+    x = [variable(prob, f"x{j}", cat=pulp.LpBinary) for j in range(len(cands))]
+    y = [variable(prob, f"y{i}", 0, 1) for i in range(n)]
     starts: list[list[int]] = [[] for _ in range(n + 1)]
     ends: list[list[int]] = [[] for _ in range(n + 1)]
     covering: list[list[int]] = [[] for _ in range(n)]
@@ -200,7 +200,7 @@ def _keep(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> _Line
         # z_q: s is kept and not yet released at backward node q (a reason with point <= q holds)
         prev = None
         for q in points:
-            z = pulp.LpVariable(f"z{sid}_{q}", 0, 1)
+            z = variable(prob, f"z{sid}_{q}", 0, 1)
             if prev is not None:
                 prob += z >= prev
             if q in holders:
@@ -239,11 +239,11 @@ def _budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, line
         fc, bc = fc + lines.fwd_const[t], bc + lines.bwd_const[t]
         fm, bm = fm + lines.fwd_max[t], bm + lines.bwd_max[t]
         if lines.fwd_d[t]:
-            J = pulp.LpVariable(f"J{t}", 0)
+            J = variable(prob, f"J{t}", 0)
             prob += J == Jv + pulp.lpSum(lines.fwd_d[t])
             Jv = J
         if lines.bwd_d[t]:
-            K = pulp.LpVariable(f"K{t}", 0)
+            K = variable(prob, f"K{t}", 0)
             prob += K == Kv + pulp.lpSum(lines.bwd_d[t])
             Kv = K
         # a constraint that cannot bind even if every reason held is left out
@@ -258,7 +258,7 @@ def _budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, line
 def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> Model:
     """Build the ILP (NOTE [ ILP ]). With budget_bytes None, the budget is a variable to minimise."""
     prob = pulp.LpProblem("remat", pulp.LpMinimize)
-    B = pulp.LpVariable("B", 0) if budget_bytes is None else budget_bytes * _MB
+    B = variable(prob, "B", 0) if budget_bytes is None else budget_bytes * _MB
     x, y, covering, coverable = _path(prob, cands, len(cg.nodes))
     lines = _keep(prob, cg, cands, x, y, coverable)
     _budget_lines(prob, cg, cands, x, covering, lines, B, budget_bytes is not None)

@@ -27,7 +27,9 @@ from torch.utils import _pytree as pytree
 from .errors import ForwardError, TraceError
 from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
 from .rng import host_rng_moved, host_rng_state
+from .state import instance_forwards
 
+log = logging.getLogger("remat.planner")
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
 # Modules whose CPU kernels hold memory that fake tensors do not see (the RNNs' fused kernels keep
 # per-step workspaces): planned as opaque nodes, their memory measured by running them for real.
@@ -45,6 +47,7 @@ class Traced:
     attempts: tuple[tuple[str, str], ...] = ()  # (path, why it was not taken) for the paths tried
     extra_kwargs: dict | None = None        # keyword inputs the graph was captured with (use_cache)
     fixed: tuple[tuple[str, str], ...] = ()  # leaves never recomputed (their own checkpoint, hooks), and why
+    shapes: Shapes | None = None            # torch.export with dynamic sizes: the inputs it takes
 
     def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
@@ -53,6 +56,87 @@ class Traced:
         a, kw = as_keywords(model, args, {**(self.extra_kwargs or {}), **kwargs})
         flat = fx_pytree.tree_flatten_spec((a, kw), self.in_spec)
         return dict(zip(self.input_names, flat))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The input sizes a graph exported with dynamic dimensions runs for (NOTE [ one graph for
+    every length ]): per graph input, each dimension a fixed size or a symbol; each symbol's
+    range. `admits(named)` says whether a call's inputs are among them."""
+    dims: tuple[tuple[str, tuple], ...]          # input name -> per dimension an int or a symbol's name
+    ranges: tuple[tuple[str, int, float], ...]   # symbol -> (lowest, highest) size it may take
+
+    def admits(self, named: dict) -> bool:
+        bound: dict[str, int] = {}
+        ranges = {s: (lo, hi) for s, lo, hi in self.ranges}
+        for name, dims in self.dims:
+            x = named.get(name)
+            if not isinstance(x, torch.Tensor) or x.dim() != len(dims):
+                return False
+            for want, got in zip(dims, x.shape):
+                if isinstance(want, int):
+                    if want != got:
+                        return False
+                elif bound.setdefault(want, got) != got or not ranges[want][0] <= got <= ranges[want][1]:
+                    return False
+        return True
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.ranges)
+
+
+def _shapes(ep, names: tuple[str, ...]) -> Shapes | None:
+    """The `Shapes` of an exported program's user inputs (by our placeholder names), or None when
+    a size is an expression rather than one symbol (then the graph is used at its example sizes)."""
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    dims, used = [], set()
+    for name, node_name in zip(names, user):
+        v = vals.get(node_name)
+        if not isinstance(v, torch.Tensor):
+            continue
+        row = []
+        for d in v.shape:
+            if isinstance(d, int):
+                row.append(d)
+                continue
+            expr = d.node.expr
+            if not expr.is_Symbol:
+                return None
+            row.append(str(expr))
+            used.add(expr)
+        dims.append((name, tuple(row)))
+    ranges = tuple((str(s), int(r.lower), float(r.upper)) for s, r in ep.range_constraints.items() if s in used)
+    return Shapes(tuple(dims), tuple(sorted(ranges)))
+
+
+def _named_forward(model: torch.nn.Module, kwargs: dict):
+    """`model.forward` with a signature that names each keyword `kwargs` passes through its
+    `**kwargs` (Trainer's num_items_in_batch): torch.export takes dynamic sizes by parameter name,
+    and none inside `**kwargs`. The forward itself, when the signature has no `**kwargs`."""
+    forward = model.forward
+    sig = inspect.signature(forward)
+    params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    if len(params) == len(sig.parameters):
+        return forward
+    named = {p.name for p in params}
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs if k not in named]
+
+    def call(*args, **kw):
+        return forward(*args, **kw)
+    call.__signature__ = sig.replace(parameters=params + extra)
+    return call
+
+
+def _dynamic(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """torch.export's `dynamic_shapes` for `model(*args, **kwargs)`, by the forward's parameter
+    names as export binds them: every tensor dimension Dim.AUTO (export keeps a size dynamic
+    unless the program fixes it)."""
+    auto = lambda x: {d: torch.export.Dim.AUTO for d in range(x.dim())} \
+        if isinstance(x, torch.Tensor) and x.dim() else None   # noqa: E731  ({} would read as a container)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: pytree.tree_map(auto, value) for name, value in bound.items()}
 
 
 class Unflatten(torch.nn.Module):
@@ -201,11 +285,31 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
         raise Unfaithful(f"{len(hooked)} hooked submodule(s)", f"{name} {why}")
     a, kw = as_keywords(model, args, {**(extra_kwargs or {}), **kwargs})
     before = _rng_state()
-    with _quiet(), watching(proxies_only=False):
-        ep = torch.export.export(model, a, kw, strict=False)
+    ep = _export(model, a, kw)
     if not _same(before, _rng_state()):   # torch ops are traced; Python's random and numpy are not
         raise FrozenRandomness("forward draws Python (random/numpy) random numbers; an export would freeze them")
+    return _as_traced(ep, extra_kwargs)
+
+
+def _export(model: torch.nn.Module, a: tuple, kw: dict):
+    """torch.export (non-strict) with every input size dynamic where the program allows it, else
+    at the example sizes (NOTE [ one graph for every length ])."""
+    try:
+        with _quiet(), watching(proxies_only=False), instance_forwards({model: _named_forward(model, kw)}):
+            return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
+    except Exception as e:    # a size the program cannot take symbolically: the sizes as given
+        if _NOT_A_PYTREE in str(e):
+            raise                 # an output no export can return (a key/value cache object): see `capture`
+        log.info("%s: no export with dynamic sizes (%s); exporting at the example sizes",
+                 type(model).__name__, _first_line(e))
+    with _quiet(), watching(proxies_only=False):
+        return torch.export.export(model, a, kw, strict=False)
+
+
+def _as_traced(ep, extra_kwargs: dict | None) -> Traced:
+    """An exported program as a Traced graph, called like fx's (see `export`)."""
     gm = ep.module()
+    names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
     info = gm.graph._codegen.pytree_info
     gm._forward_pre_hooks.clear()          # export's input-spec check: we flatten by our own spec
     gm.graph._codegen = fx.graph.CodeGen()
@@ -215,8 +319,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
         structured = gm.graph.call_module(OUTPUT, tuple(out.args[0]))
     out.args = (structured,)
     gm.recompile()
-    names = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
-    return Traced(gm, names, (), "torch.export", info.in_spec, extra_kwargs=extra_kwargs)
+    return Traced(gm, names, (), "torch.export", info.in_spec, extra_kwargs=extra_kwargs, shapes=_shapes(ep, names))
 
 
 def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -233,10 +336,18 @@ def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     return {} if "use_cache" in given else {"use_cache": False}
 
 
+_NOT_A_PYTREE = "not a known type"     # torch.export's words for an output it cannot flatten
+
+
 def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
     """Export failed on a cache object in the output, and use_cache is ours to turn off."""
-    return ("Cache" in str(e) and "not a known type" in str(e) and "use_cache" not in kwargs
+    return ("Cache" in str(e) and _NOT_A_PYTREE in str(e) and "use_cache" not in kwargs
             and "use_cache" in inspect.signature(model.forward).parameters)
+
+
+def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """A Hugging Face model whose config turns its key/value cache on, called without use_cache."""
+    return bool(getattr(getattr(model, "config", None), "use_cache", False)) and cache_off(model, args, kwargs) != {}
 
 
 def _raise_if_forward_fails(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -275,13 +386,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
             attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
     if "torch.export" in skip or opaque:
         return _last_resort(model, args, kwargs, traced, attempts)
+    if _returns_cache(model, args, kwargs):
+        # Hugging Face returns a key/value cache object when use_cache is on; nothing reads it in
+        # training, HF itself turns use_cache off under gradient checkpointing, and an export as
+        # called fails at that output (not a pytree) after tracing everything: so it is off first
+        try:
+            exported = export(model, args, kwargs, {"use_cache": False})
+            attempts.append(("torch.export as called", "its output would hold a key/value cache object (not a "
+                             "pytree: use_cache is on in its config); captured with use_cache=False, as Hugging "
+                             "Face does under gradient checkpointing: the output carries no cache"))
+            return replace(exported, attempts=tuple(attempts))
+        except Exception as e:
+            attempts.append(("torch.export with use_cache=False", _first_line(e)))
     try:
         return replace(export(model, args, kwargs), attempts=tuple(attempts))
     except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
         attempts.append(("torch.export", _first_line(e)))
-        if _cache_output(model, kwargs, e):
-            # Hugging Face returns a key/value cache object when use_cache is on; nothing reads it in
-            # training, and HF itself turns use_cache off under gradient checkpointing: so do we.
+        if _cache_output(model, kwargs, e) and not _returns_cache(model, args, kwargs):
             try:
                 exported = export(model, args, kwargs, {"use_cache": False})
                 attempts[-1] = ("torch.export as called", "its output holds a key/value cache object (not a "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import pickle
 import time
@@ -178,6 +179,8 @@ class Remat:
         self._warned: set[str] = set()
         self.forward: dropin.PlannedForward | None = None   # set by dropin.install
         self.solves = 0                        # plans made by a solve (not kept from other inputs)
+        """How many plans this run made by a solve (not those kept from other inputs or taken
+        from the plan cache)."""
         self._largest: dict[str, tuple] = {}    # input (by keyword path) -> largest sizes planned for
 
     def __getstate__(self):
@@ -201,17 +204,21 @@ class Remat:
         self._loss_fn, self._plans, self._last = loss_fn, {}, None
 
     def remove(self) -> torch.nn.Module:
-        """Take the plan out of the model (runtime.dropin.remove); returns the model as it was."""
+        """Take the plan out of the model, as `remat.remove(model)` does; returns the model as it was."""
         return dropin.remove(self.model)
 
     @property
     def plan(self) -> Plan:
+        """The plan of the latest training call (or `plan_for`, `use_plan`); RuntimeError before
+        the first."""
         if self._last is None:
             raise RuntimeError("no plan yet: the model plans at its first training call")
         return self._plans[self._last][0]
 
     @property
     def plans(self) -> dict[tuple, Plan]:
+        """Every plan of this run, by input signature (shapes, dtypes, devices, keyword values,
+        autocast and modes)."""
         return {k: v[0] for k, v in self._plans.items()}
 
     @contextlib.contextmanager
@@ -241,6 +248,18 @@ class Remat:
         self._last = key
         return self._plans[key][0]
 
+    def plan_up_front(self, args: tuple, kwargs: dict) -> Plan:
+        """`plan_for` the example call, and the call Hugging Face's Trainer will make of it
+        (`trainer_keywords`), so that a Trainer run trains on plans made here; `plan` stays the
+        example call's."""
+        plan = self.plan_for(*args, **kwargs)
+        extra = trainer_keywords(self.model, kwargs)
+        if extra:
+            last = self._last
+            self.plan_for(*args, **kwargs, **extra)
+            self._last = last
+        return plan
+
     def _covered(self, key: tuple, args: tuple, kwargs: dict) -> tuple | None:
         """The plan of a larger call of the same kind (every input dimension at least as large:
         the longest padded batch), applied to this one's graph, or None. NOTE [ covered shapes ]:
@@ -253,6 +272,8 @@ class Remat:
                 continue
             if traced is None or traced.in_spec is None:   # the module tree, or fx (sizes read at run time)
                 return plan, gm, traced
+            if traced.shapes is not None and traced.shapes.admits(traced.inputs(model, args, kwargs)):
+                return plan, gm, traced       # exported with dynamic sizes, these among them: no capture
             traced, _ = self._capture(args, kwargs)
             if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
                 return None        # another graph at this shape (a branch on a size): planned as new
@@ -481,6 +502,20 @@ class Remat:
             return gm(**traced.inputs(model, args, kwargs))
 
 
+def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
+    """The keywords Hugging Face's Trainer adds to a call with `labels` of a model that accepts
+    loss keywords (its `accepts_loss_kwargs`, else a `**kwargs` forward), as its
+    `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100),
+    a 0-dim tensor on their device (its value is not part of a plan). {} for other calls."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs:
+        return {}
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        accepts = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    return {"num_items_in_batch": labels.ne(-100).sum()} if accepts else {}
+
+
 def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
     """(args, kwargs) with each tensor grown to the largest sizes its input (by keyword path) had
     in a planned call, repeating its last slice along each grown dimension (a padded batch stays
@@ -552,7 +587,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     '500MB', or '40%' of the step's unplanned peak); `budget=` is the same argument by its older
     name. The budget is bytes, resolved once: a '%' budget becomes bytes at the first plan and
     serves the whole run. `model.remat` holds the plans (`model.remat.plan`); `model.remat.remove()`
-    (or `runtime.remove(model)`) takes the plan out. In eval mode or under no_grad (evaluation,
+    (or `remat.remove(model)`) takes the plan out. In eval mode or under no_grad (evaluation,
     `generate`) the model's own forward runs.
 
     With example inputs the plan is made now (errors surface here): pass the largest batch the
@@ -575,11 +610,12 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     them (`Remat.time_plan`): `plan.meta["timing"]`, and a line of `plan.summary()`, give the
     measured overhead beside the predicted one.
 
-    >>> import torch
-    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    >>> w = plan_and_wrap(m, budget_gb=1.0, example_inputs=(torch.randn(32, 64),))
-    >>> w is m, w.remat.plan.regions
-    (True, ())
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+        >>> w = plan_and_wrap(m, budget_gb=1.0, example_inputs=(torch.randn(32, 64),))
+        >>> w is m, w.remat.plan.regions
+        (True, ())
     """
     if budget_gb is not None and budget is not None:
         raise BudgetError("plan_and_wrap() takes one budget: budget_gb= or its older name budget=, not both")
@@ -594,7 +630,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     compile_kwargs = ({} if compile is True else dict(compile)) if compile else None
     with _installed(model, Remat(model, budget, loss_fn, options, compile_kwargs, optimizer)) as state:
         if example_inputs is not None or example_kwargs is not None:
-            state.plan_for(*(example_inputs or ()), **(example_kwargs or {}))
+            state.plan_up_front(tuple(example_inputs or ()), dict(example_kwargs or {}))
             if time:
                 state.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
     return model
@@ -630,5 +666,5 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kw
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
-    """Take remat's plan out of `model` (runtime.dropin.remove): it runs as before plan_and_wrap."""
+    """Take remat's plan out of `model`: it runs as before plan_and_wrap; returns `model`."""
     return dropin.remove(model)

@@ -25,7 +25,7 @@ from .cli.session import Loaded, measure_peak_bytes, solve_budget, split_inputs
 
 
 def assert_fits(model: torch.nn.Module, inputs, budget_gb, loss_fn: Callable | None = None,
-                measure: bool = False, *, time_limit_s: float = 10.0) -> Plan:
+                measure: bool = False, *, time_limit_s: float = SolveOptions.time_limit_s) -> Plan:
     """The Plan that fits one training step of `model(*inputs)` into `budget_gb`: a number of GB
     (10^9 bytes) or a string ('24GB', '8GiB', '40%' of the unplanned peak).
 

@@ -129,9 +129,6 @@ def test_a_module_tree_plan_warns_nothing_from_third_parties():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="planner/solve.py and planner/segment.py build pulp.LpVariable directly "
-                   "and solve.py reads len(prob.constraints) (PuLP >= 3.3 warns): they are to use "
-                   "planner.cbc.variable and cbc.constraints_of (issue 41, item 2); then remove this mark")
 def test_a_graph_plan_warns_nothing_from_pulp():
     ex = EXAMPLES["mlp"]()
     with recorded() as w:

@@ -328,8 +328,8 @@ _BUDGET_HELP = "GB, GiB, MB, MiB or %% of the unplanned peak, e.g. 24GB, 500MiB,
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=_positive(float), default=10.0, metavar="S",
-                   help="ILP time limit per solve, seconds (default 10)")
+    p.add_argument("--time-limit", type=_positive(float), default=SolveOptions.time_limit_s, metavar="S",
+                   help="ILP time limit per solve, seconds (default %(default)g)")
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout (implies --quiet)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--optimizer", metavar="NAME", help="the step ends with this optimizer's step (its state and "
