@@ -19,6 +19,7 @@ _EXPORTS = {
     "DeviceRates": "rates",
     "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
     "BudgetError": "errors", "ForwardError": "errors", "PlanMismatchError": "errors", "UnsafePlanError": "errors",
+    "LossFnError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -69,6 +69,24 @@ class ForwardError(RematError):
         return (type(self), (self.model, self.cause))
 
 
+class LossFnError(RematError):
+    """The `loss_fn` remat plans with raised on a call's output: most often a loss that closes
+    over the example batch's targets, given a batch of another size. `shapes` are the output's
+    tensor shapes, `cause` the exception the loss raised."""
+
+    def __init__(self, shapes: str, cause: BaseException):
+        self.shapes, self.cause = shapes, cause
+        first = next((line for line in str(cause).splitlines() if line.strip()), "")
+        super().__init__(
+            f"the loss_fn given to remat raised {type(cause).__name__} ({first}) on the output of this call "
+            f"({shapes}): a loss_fn that closes over the example batch's targets cannot take a batch of another "
+            "size. Give remat the loss of these inputs with model.remat.set_loss_fn(...) before the call, or pass "
+            "the targets to the model as an argument (as Hugging Face's labels) and return the loss from forward")
+
+    def __reduce__(self):
+        return (type(self), (self.shapes, self.cause))
+
+
 class SolverError(RematError):
     """The ILP solver failed without a usable plan."""
 

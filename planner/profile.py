@@ -24,12 +24,13 @@ from .compat import (DataDependentOutputException, DynamicOutputShapeException, 
 from .compat import TotalFlops
 
 from .costgraph import CostGraph, NodeCost, StorageCost
+from .errors import LossFnError, RematError
 from .kernels import FLOP_FORMULAS
 from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measured_costs
 from .opaque import stand_in, step_held
 from .rates import DeviceRates
 from .simulate import timeline
-from .step import FakeState, fake_step, model_loss, run_step, training_loss
+from .step import FakeState, fake_step, model_loss, run_step, tensors, training_loss
 from .storage import LiveBytes, fake_twin, tensors_in, unlinked
 from .trace import placeholder_values
 
@@ -431,9 +432,15 @@ def _loss(runner: _Runner, out, loss_fn):
     try:
         return runner.measure(runner.loss_i, lambda: training_loss(out, loss_fn))
     except Exception as e:
-        if loss_fn is None or not fake_cannot_run(e):
+        if loss_fn is None or isinstance(e, RematError):
             raise
+        if not fake_cannot_run(e):
+            raise LossFnError(_shapes(out), e) from e
         raise LossValueDependent("", e, LOSS) from e
+
+
+def _shapes(out) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors(out))[:200]
 
 
 def _forward(gm: fx.GraphModule, runner: _Runner, fake_inputs: dict):

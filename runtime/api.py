@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import pickle
@@ -24,7 +25,7 @@ from remat.planner.result import Plan
 from remat.planner.simulate import base_liveness
 from remat.planner.rng import rng_preserved
 from remat.planner.state import instance_forwards, mode_key, state_preserved, training_modes
-from remat.planner.trace import cache_off, capture
+from remat.planner.trace import Unflatten, cache_off, capture
 
 from . import distributed, dropin, plan_cache
 from .measure import dry_run_peak, preserved, training_loss
@@ -198,6 +199,27 @@ class Remat:
                               "loading, pass it again with model.remat.set_loss_fn(loss_fn)", stacklevel=2)
                 state["_loss_fn"] = None
         return state
+
+    def __deepcopy__(self, memo: dict) -> "Remat":
+        """A copy for the copied model (`copy.deepcopy(model)`), its plans and loss_fn kept: its
+        graphs run the copy's parameters (deepcopy's memo maps them), so the copy trains on the
+        plans made here, with no capture and no solve."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for spec in self._tree_specs():     # immutable, and torch warns when one is deep-copied
+            memo[id(spec)] = spec
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k == "_loss_fn" else copy.deepcopy(v, memo)
+        return new
+
+    def _tree_specs(self) -> list:
+        """The pytree specs of the plans' exported graphs (inputs, and outputs as `Unflatten` holds them)."""
+        out = []
+        for _, gm, traced in self._plans.values():
+            out += [traced.in_spec] if traced is not None and traced.in_spec is not None else []
+            for g in (gm, traced and traced.gm):
+                out += [m.spec for m in (g.modules() if g is not None else ()) if isinstance(m, Unflatten)]
+        return out
 
     def set_loss_fn(self, loss_fn: Callable | None) -> None:
         """The loss the plans are made for; plans made for another loss are dropped."""
@@ -462,9 +484,11 @@ class Remat:
         return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
     def _warn_once(self, what: str, message: str) -> None:
+        """`message` once per run and kind of event, as one Python warning (a user's pytest and
+        warnings filters see it; the log has it at INFO, so it is not printed twice)."""
         if what not in self._warned:
             self._warned.add(what)
-            log.warning(message)
+            log.info(message)
             warnings.warn(message, stacklevel=4)
 
     def _take_over(self) -> None:
@@ -622,6 +646,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     if budget_gb is None and budget is None:
         raise BudgetError("plan_and_wrap() needs a budget: budget_gb=24 (GB), or a string such as '24GB' or '40%'")
     budget = as_budget(budget_gb if budget is None else budget)
+    _not_compiled(model)
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed/)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
@@ -634,6 +659,16 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
             if time:
                 state.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
     return model
+
+
+def _not_compiled(model: torch.nn.Module) -> None:
+    """A TypeError that says what to do for a model torch.compile already wrapped: its compiled
+    step is not the one an eager plan is made and checked for."""
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) and hasattr(model, "dynamo_ctx"):
+        raise TypeError(f"{type(model._orig_mod).__name__} is already wrapped by torch.compile: remat plans the eager "
+                        "model. Plan it before compiling, with compile=True to have remat compile the planned step "
+                        "and keep its budget (plan_and_wrap(model, budget, ..., compile=True)); a model compiled "
+                        "after planning trains correctly but its peak is not the one planned")
 
 
 @contextlib.contextmanager
@@ -660,11 +695,13 @@ def apply(model: torch.nn.Module, plan: Plan, *, example_inputs=None, example_kw
     shapes) are traced to check that graph and inputs are the plan's (PlanMismatchError
     otherwise). Inputs of other shapes keep the plan while it fits them, else are planned as
     plan_and_wrap does, for the plan's budget."""
+    _not_compiled(model)
     with _installed(model, Remat(model, Budget("bytes", float(plan.budget_bytes)), loss_fn, options)) as state:
         state.use_plan(plan, *(example_inputs or ()), **(example_kwargs or {}))
     return model
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:
-    """Take remat's plan out of `model`: it runs as before plan_and_wrap; returns `model`."""
+    """Take remat's plan out of `model`: it runs as before plan_and_wrap; returns `model`.
+    Raises ValueError when `model` has no plan (never planned, or removed already)."""
     return dropin.remove(model)

@@ -123,7 +123,9 @@ def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     budget = parse_budget(a.budget)
     loaded, analysis = _profile(a, say)
     budget_bytes = to_bytes(budget, unplanned_peak_bytes(analysis.cost_graph, _options(a)))
-    say(f"solving for {size_text(budget_bytes, budget.unit)} ({budget.text()}) ...")
+    given = budget.text()
+    size = size_text(budget_bytes, budget.unit)
+    say(f"solving for {size}{'' if given == size else f' ({given})'} ...")
     return loaded, analysis, budget_bytes
 
 
