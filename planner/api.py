@@ -9,7 +9,7 @@ import torch
 from .compat import tree_flatten
 
 from .budget import as_budget
-from .costgraph import CostGraph, accumulating, with_optimizer
+from .costgraph import CostGraph, accumulating, with_optimizer, with_workspace
 from .costs import OverheadProbe
 from .errors import InfeasibleBudgetError, TraceError
 from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
@@ -22,6 +22,7 @@ from .rng import rng_preserved
 from .state import buffers_restored, mode_key, state_preserved, training_modes
 from .check import check_capture, skipped
 from .trace import Traced, capture
+from .workspace import workspace_bytes
 
 log = logging.getLogger("remat.planner")
 
@@ -104,6 +105,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if optimizer is not None:
         mem = optimizer_memory(optimizer, target_device)
         cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
+    cg = with_workspace(cg, workspace_bytes(target_device or _device_of(model), _step_dtypes(model)))
     cg = accumulating(cg, accumulation_steps)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
@@ -188,6 +190,16 @@ def _say_how(model: torch.nn.Module, traced: Traced) -> None:
                         "the output carries no key/value cache", name)
     for module, why in traced.opaque:
         log.info("%s: %s is planned as one opaque node: %s", name, module, why)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def _step_dtypes(model: torch.nn.Module) -> set:
+    """The dtypes a step's matmuls run in: the parameters', and autocast's on CUDA."""
+    dtypes = {p.dtype for p in model.parameters()}
+    return dtypes | {torch.get_autocast_dtype("cuda")} if torch.is_autocast_enabled("cuda") else dtypes
 
 
 def analyze_for(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn, options: PlanOptions,

@@ -3,7 +3,8 @@
 Capture can lose meaning in ways no detector lists (planner/fidelity.py catches the known
 ones). Before a graph is profiled, it and the model's own forward run one training step on a
 cheap slice of the example inputs (the first sample, when every batched input shares its first
-dimension and the graph reads sizes at run time; else the inputs as given) under the same seed:
+dimension and the graph reads sizes at run time; the first two where it was exported with dynamic
+sizes that admit them; else the inputs as given) under the same seed:
 outputs, and the gradients of a fixed random projection of them with respect to every trainable
 parameter and every input that requires grad, must agree to rounding, and the same gradients
 must be missing. Nothing of the model changes (buffers, RNG, `.grad`). A disagreement is
@@ -53,16 +54,28 @@ def skipped(args: tuple, kwargs: dict, model: torch.nn.Module) -> str | None:
     return None
 
 
-def _first_sample(args: tuple, kwargs: dict):
-    """(args, kwargs) with every batched tensor cut to its first sample, or None when the inputs
-    do not share a first dimension larger than one."""
+def _first_sample(args: tuple, kwargs: dict, n: int = 1):
+    """(args, kwargs) with every batched tensor cut to its first `n` samples, or None when the
+    inputs do not share a first dimension larger than `n`."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     sizes = {t.shape[0] for t in tensors}
-    if len(sizes) != 1 or next(iter(sizes)) < 2:
+    if len(sizes) != 1 or next(iter(sizes)) <= n:
         return None
-    cut = lambda x: x[:1].detach().clone().requires_grad_(x.requires_grad) \
+    cut = lambda x: x[:n].detach().clone().requires_grad_(x.requires_grad) \
         if isinstance(x, torch.Tensor) and x.dim() > 0 else x  # noqa: E731
     return tree_map(cut, (args, kwargs))
+
+
+def _slice(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: dict):
+    """The cheap slice the check runs first: the first sample for an fx graph (sizes read at run
+    time); the first two for a graph exported with dynamic sizes that admits them (export fixes
+    sizes 0 and 1); None for one exported at fixed sizes."""
+    if traced.in_spec is None:
+        return _first_sample(args, kwargs)
+    if traced.shapes is None or not traced.shapes.dynamic:
+        return None
+    cut = _first_sample(args, kwargs, 2)
+    return cut if cut is not None and traced.shapes.admits(traced.inputs(model, *cut)) else None
 
 
 def _step(run, params: list[torch.Tensor], inputs: list[torch.Tensor]):
@@ -127,7 +140,7 @@ def _differs(a: torch.Tensor | None, b: torch.Tensor | None, scale: tuple[float,
 def check_capture(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: dict) -> str | None:
     """None when `traced` computes what `model` does on one step (see the module's docstring),
     else what differs, as a sentence."""
-    sample = _first_sample(args, kwargs) if traced.in_spec is None else None   # export: sizes baked in
+    sample = _slice(model, traced, args, kwargs)
     candidates = [sample, (args, kwargs)] if sample is not None else [(args, kwargs)]
     params = [p for p in model.parameters() if p.requires_grad]
     names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -19,9 +19,14 @@ CHECKED_ON = "2.13.0"
 
 __all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
+
+
+def clear_cublas_workspaces() -> None:
+    """Release the cuBLAS/cuBLASLt workspaces torch holds (made again by the next matmul)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def current_fake_mode():

@@ -143,6 +143,14 @@ def with_optimizer(cg: CostGraph, state_bytes: int, step_bytes: int, name: str =
                          "optimizer_step_bytes": step_bytes})
 
 
+def with_workspace(cg: CostGraph, workspace_bytes: int) -> CostGraph:
+    """The step with the math libraries' workspaces (planner/workspace.py) live throughout (fixed)."""
+    if not workspace_bytes:
+        return cg
+    return replace(cg, fixed_bytes=cg.fixed_bytes + workspace_bytes,
+                   meta={**cg.meta, "workspace_bytes": workspace_bytes})
+
+
 def accumulating(cg: CostGraph, steps: int) -> CostGraph:
     """A micro-step of gradient accumulation after the first (the largest): every parameter
     gradient exists from the start (fixed), and each backward's new gradient lives only until

@@ -59,7 +59,7 @@ class ExactReplay:
         meta = analysis.cost_graph.meta
         self.unplanned_guess = None if meta.get("measured_peak_bytes") is None \
             or meta.get("accumulation_steps", 1) > 1 else max(
-            meta["measured_peak_bytes"] + meta.get("optimizer_state_bytes", 0), base_liveness(analysis.cost_graph).opt)
+            meta["measured_peak_bytes"] + _held_throughout(meta), base_liveness(analysis.cost_graph).opt)
 
     def __call__(self, regions) -> int:
         key = tuple(regions)
@@ -78,7 +78,13 @@ class ExactReplay:
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
                                     keep_output=meta.get("keep_output", False),
                                     grads=meta.get("accumulation_steps", 1) > 1)
-        return max(replayed + meta.get("optimizer_state_bytes", 0), base_liveness(a.cost_graph).opt)
+        return max(replayed + _held_throughout(meta), base_liveness(a.cost_graph).opt)
+
+
+def _held_throughout(meta: dict) -> int:
+    """Bytes live through the whole step that a replay of forward and backward does not make: the
+    optimizer's state, the math libraries' workspaces (planner/workspace.py)."""
+    return meta.get("optimizer_state_bytes", 0) + meta.get("workspace_bytes", 0)
 
 
 def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:
