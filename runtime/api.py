@@ -535,15 +535,16 @@ class Remat:
 def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
     """The keywords Hugging Face's Trainer adds to a call with `labels` of a model that accepts
     loss keywords (its `accepts_loss_kwargs`, else a `**kwargs` forward), as its
-    `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100),
-    a 0-dim tensor on their device (its value is not part of a plan). {} for other calls."""
+    `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100)
+    divided by the parallel degrees (transformers 5: a 0-dim float tensor on their device; its
+    value is not part of a plan). {} for other calls."""
     labels = kwargs.get("labels")
     if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs:
         return {}
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:
         accepts = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
-    return {"num_items_in_batch": labels.ne(-100).sum()} if accepts else {}
+    return {"num_items_in_batch": labels.ne(-100).sum() / 1} if accepts else {}
 
 
 def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
