@@ -284,7 +284,11 @@ class Remat:
         extra = trainer_keywords(self.model, kwargs)
         if extra:
             last = self._last
-            self.plan_for(*args, **kwargs, **extra)
+            try:
+                self.plan_for(*args, **kwargs, **extra)
+            except Exception as e:    # noqa: BLE001 - a call the user did not make: it plans when made, if ever
+                log.info("%s: the call Trainer makes (%s) was not planned ahead (%s: %s)", type(self.model).__name__,
+                         ", ".join(extra), type(e).__name__, e)
             self._last = last
         return plan
 

@@ -127,3 +127,19 @@ def test_trainers_num_items_in_batch_is_planned_by_plan_and_wrap(monkeypatch):
     assert exports.calls == 0 and model.remat.solves == 1
     assert torch.equal(loss, want)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_model_that_refuses_trainers_keyword_still_plans_its_own_call():
+    class Strict(torch.nn.Module):        # a **kwargs forward that rejects what it does not know
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x, labels=None, **kwargs):
+            if kwargs:
+                raise TypeError(f"unexpected {sorted(kwargs)}")
+            return ((self.b(self.a(x).relu()) - labels) ** 2).mean()
+    model = Strict()
+    x = torch.randn(32, 16)
+    plan_and_wrap(model, 1.0, example_kwargs={"x": x, "labels": x})
+    assert len(model.remat.plans) == 1 and model.remat.plan.predicted_peak_bytes <= model.remat.plan.budget_bytes
