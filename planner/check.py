@@ -37,7 +37,7 @@ import torch
 from .compat import tree_flatten, tree_map
 
 from .rng import rng_preserved
-from .state import buffers_restored, state_preserved
+from .state import buffers_restored, state_preserved, tensor_assignments
 from .trace import Traced
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}   # relative; lower precisions: LOW
@@ -56,8 +56,11 @@ def skipped(args: tuple, kwargs: dict, model: torch.nn.Module) -> str | None:
 
 def _first_sample(args: tuple, kwargs: dict, n: int = 1):
     """(args, kwargs) with every batched tensor cut to its first `n` samples, or None when the
-    inputs do not share a first dimension larger than `n`."""
+    inputs do not share a first dimension larger than `n`, or one is not strided (a sparse
+    adjacency whose rows are the batch's: not a batch to cut, and no view of it can be taken)."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if any(t.layout != torch.strided for t in tensors):
+        return None
     sizes = {t.shape[0] for t in tensors}
     if len(sizes) != 1 or next(iter(sizes)) <= n:
         return None
@@ -146,24 +149,52 @@ def check_capture(model: torch.nn.Module, traced: Traced, args: tuple, kwargs: d
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for k, (a, kw) in enumerate(candidates):
         inputs = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        # with the keywords the graph was captured with (use_cache=False): those are its semantics
+        model_run = _Recorded(model, lambda: model(*a, **{**(traced.extra_kwargs or {}), **kw}))
+        graph_run = _Recorded(model, lambda: traced.gm(**traced.inputs(model, a, kw)))
         try:
             with state_preserved(model), buffers_restored(model):
-                # with the keywords the graph was captured with (use_cache=False): those are its semantics
-                want = _step(lambda: model(*a, **{**(traced.extra_kwargs or {}), **kw}), params, inputs)
+                want = _step(model_run, params, inputs)
         except Exception:       # the model cannot take the slice (BatchNorm on one value): the inputs as given
             if k + 1 < len(candidates):
                 continue
             return None         # nor the inputs as given: the profile reports the model's own error
         try:
             with state_preserved(model), buffers_restored(model):
-                got = _step(lambda: traced.gm(**traced.inputs(model, a, kw)), params, inputs)
+                got = _step(graph_run, params, inputs)
         except torch.OutOfMemoryError:
             return None         # no room for the check's step: nothing is known against the graph
         except Exception as e:
             if k + 1 < len(candidates):
                 continue
             return f"the graph raised {type(e).__name__} where the model did not: {str(e).strip()[:200]}"
-        return _compare(want, got, names)
+        return _assigned_differently(model_run.names, graph_run.names) or _compare(want, got, names)
+    return None
+
+
+class _Recorded:
+    """`fn()` as the check runs it: its output, and the tensors the forward bound to module
+    attributes (`self.aux_loss = ...`), compared as outputs are; `names` says which ('layers.0.aux_loss').
+    The attributes are bound as before afterwards."""
+
+    def __init__(self, model: torch.nn.Module, fn):
+        self.model, self.fn, self.names = model, fn, ()
+
+    def __call__(self):
+        with tensor_assignments(self.model) as assigned:
+            out = self.fn()
+        keys = sorted(assigned)
+        self.names = tuple(".".join(filter(None, k)) for k in keys)
+        return out, [assigned[k] for k in keys]
+
+
+def _assigned_differently(model: tuple[str, ...], graph: tuple[str, ...]) -> str | None:
+    """What differs between the tensor attributes the model's forward assigns and the graph's run."""
+    lost, extra = sorted(set(model) - set(graph)), sorted(set(graph) - set(model))
+    if lost:
+        return f"the graph does not assign {', '.join(lost)}, which the model's forward assigns (a tensor attribute)"
+    if extra:
+        return f"the graph assigns {', '.join(extra)}, which the model's forward does not"
     return None
 
 

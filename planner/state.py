@@ -3,7 +3,9 @@
 Planning traces and profiles a *training* step: a model handed over in eval mode (as
 `from_pretrained` returns it) is planned as `model.train()` would leave it, since a captured
 graph bakes the mode in (fx reads `self.training` once; torch.export bakes eval dropout and
-BatchNorm). Tracing may run real code on real tensors; whatever it changes is put back.
+BatchNorm). Tracing may run real code on real tensors; whatever it changes is put back, and
+an attribute a forward rebinds while traced is bound to its own object again
+(`attributes_restored`): a tracer never leaves a Proxy or a fake tensor in the user's model.
 """
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import contextlib
 from typing import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
+from .compat import tree_leaves
 from .rng import rng_preserved
 
 
@@ -101,6 +106,93 @@ def state_preserved(model: torch.nn.Module):
 
 
 _NONE = object()
+
+
+def _leaves(v) -> list:
+    try:
+        return tree_leaves(v)
+    except Exception:
+        return [v]
+
+
+def _traced_value(v) -> bool:
+    """A value only a tracer makes (an fx Proxy; export's fake and functional tensors and symbolic
+    sizes), or a container holding one."""
+    return any(isinstance(x, (torch.fx.Proxy, FakeTensor, FunctionalTensor, torch.SymInt, torch.SymFloat,
+                              torch.SymBool)) for x in _leaves(v))
+
+
+def holds_tensor(v) -> bool:
+    """A tensor (real, fake or an fx Proxy standing for one), or a container holding one."""
+    return any(isinstance(x, (torch.Tensor, torch.fx.Proxy)) for x in _leaves(v))
+
+
+def _rebound(before: dict, table: dict) -> list[str]:
+    """The keys of `table` bound, since `before` was copied from it, to another object or added."""
+    return [k for k, v in table.items() if before.get(k, _NONE) is not v]
+
+
+def _tables(m: torch.nn.Module) -> tuple[dict, dict, dict]:
+    return m.__dict__, m._buffers, m._parameters
+
+
+@contextlib.contextmanager
+def attributes_restored(model: torch.nn.Module):
+    """Every module's attributes are, after the block, the objects they were before it: a plain
+    attribute, buffer or parameter rebound inside (`self.freqs = self.freqs.to(x.device)` while fx
+    traces it leaves an fx Proxy there; torch.export, a fake tensor) is bound to its old object
+    again, and one added holding a tracer's value (a Proxy, a fake tensor, a symbolic size) is
+    removed. Other added values stay: fx's own tensor constants (`_tensor_constant0`, which its
+    graph reads from the model), a flag a forward sets with the hooks it installs.
+    Yields a list, filled on exit: (module, name) of each plain attribute the block bound to a
+    tensor (or a Proxy), as a forward storing an auxiliary loss on its module does."""
+    saved = [(m, t, dict(t)) for m in model.modules() for t in _tables(m)]
+    assigned: list[tuple[torch.nn.Module, str]] = []
+    try:
+        yield assigned
+    finally:
+        for m, table, before in saved:
+            changed = _rebound(before, table)
+            if table is m.__dict__:
+                assigned += [(m, k) for k in changed if holds_tensor(table[k])]
+            for k in changed:
+                if k in before:
+                    table[k] = before[k]
+                elif _traced_value(table[k]):
+                    del table[k]
+            for k in before.keys() - table.keys():
+                table[k] = before[k]
+
+
+def copy_of(new, old) -> bool:
+    """`new` holds `old`'s values, moved or cast (`self.freqs_cis = self.freqs_cis.to(h.device)`,
+    Meta's Llama: a constant a plain attribute does not take along with `model.cuda()`), and
+    neither is part of an autograd graph: a rebinding no graph needs to keep."""
+    return (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and not new.requires_grad
+            and not old.requires_grad and new.shape == old.shape
+            and torch.equal(new, old.to(device=new.device, dtype=new.dtype)))
+
+
+@contextlib.contextmanager
+def tensor_assignments(model: torch.nn.Module):
+    """Yields a dict, filled on exit: (module name, attribute) -> the tensor (or container of
+    tensors) each plain attribute was bound to inside the block (another object than before, or
+    added; not a `copy_of` the old one). Those attributes are then bound as before (removed when
+    added), copies too: what a forward assigned (`self.aux_loss = ...`) is in the dict, not left
+    in the model."""
+    saved = [(name, m, dict(m.__dict__)) for name, m in model.named_modules()]
+    assigned: dict[tuple[str, str], object] = {}
+    try:
+        yield assigned
+    finally:
+        for name, m, before in saved:
+            for k in [k for k in _rebound(before, m.__dict__) if holds_tensor(m.__dict__[k])]:
+                if not copy_of(m.__dict__[k], before.get(k)):
+                    assigned[name, k] = m.__dict__[k]
+                if k in before:
+                    m.__dict__[k] = before[k]
+                else:
+                    del m.__dict__[k]
 
 
 @contextlib.contextmanager

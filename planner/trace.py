@@ -10,6 +10,10 @@
 Whichever graph is taken, `Traced.attempts` says what the others did. When neither captures
 the model, `capture` raises TraceError, and runtime.api plans over the module tree instead
 (planner.modules, runtime/rewrite/module_tree.py); when the forward itself raises, ForwardError.
+A forward that stores a tensor on a module (an auxiliary loss) raises AssignsAttributes, a
+TraceError: no graph keeps the store (NOTE [ tensor attributes assigned in forward ]). An input
+that is not a strided tensor (sparse) raises InputLayoutError up front: no plan measures it.
+Each attempt leaves the model's attributes as it found them (state.attributes_restored).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import contextlib
 import inspect
 import io
 import logging
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,10 +29,11 @@ import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .errors import ForwardError, TraceError
+from .errors import ForwardError, RematError, TraceError
+from .compat import keystr, tree_flatten_with_path
 from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
-from .rng import host_rng_moved, host_rng_state
-from .state import instance_forwards
+from .rng import host_rng_moved, host_rng_state, rng_preserved
+from .state import attributes_restored, instance_forwards, state_preserved, tensor_assignments
 
 log = logging.getLogger("remat.planner")
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
@@ -285,24 +291,32 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
         raise Unfaithful(f"{len(hooked)} hooked submodule(s)", f"{name} {why}")
     a, kw = as_keywords(model, args, {**(extra_kwargs or {}), **kwargs})
     before = _rng_state()
-    ep = _export(model, a, kw)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ep = _export(model, a, kw)
+    if any(_EXPORT_ASSIGNED in str(w.message) for w in seen):   # export restored them and warned
+        _refuse_assignments(model, args, kwargs)
     if not _same(before, _rng_state()):   # torch ops are traced; Python's random and numpy are not
         raise FrozenRandomness("forward draws Python (random/numpy) random numbers; an export would freeze them")
     return _as_traced(ep, extra_kwargs)
+
+
+_EXPORT_ASSIGNED = "assigned during export"     # torch.export's words for tensor attributes a forward assigned
 
 
 def _export(model: torch.nn.Module, a: tuple, kw: dict):
     """torch.export (non-strict) with every input size dynamic where the program allows it, else
     at the example sizes (NOTE [ one graph for every length ])."""
     try:
-        with _quiet(), watching(proxies_only=False), instance_forwards({model: _named_forward(model, kw)}):
+        with attributes_restored(model), _quiet(), watching(proxies_only=False), \
+                instance_forwards({model: _named_forward(model, kw)}):
             return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
     except Exception as e:    # a size the program cannot take symbolically: the sizes as given
         if _NOT_A_PYTREE in str(e):
             raise                 # an output no export can return (a key/value cache object): see `capture`
         log.info("%s: no export with dynamic sizes (%s); exporting at the example sizes",
                  type(model).__name__, _first_line(e))
-    with _quiet(), watching(proxies_only=False):
+    with attributes_restored(model), _quiet(), watching(proxies_only=False):
         return torch.export.export(model, a, kw, strict=False)
 
 
@@ -350,6 +364,29 @@ def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     return bool(getattr(getattr(model, "config", None), "use_cache", False)) and cache_off(model, args, kwargs) != {}
 
 
+class InputLayoutError(RematError, TypeError):
+    """An example input that is not a strided tensor (a sparse COO adjacency, a nested tensor):
+    remat measures a step by its tensors' storages, which such a tensor has not, so neither a
+    graph nor the module tree can be planned. `name` is the input, `layout` its layout."""
+
+    def __init__(self, name: str, layout: str):
+        self.name, self.layout = name, layout
+        super().__init__(f"example input {name} is a {layout} tensor: remat plans strided (dense) inputs only, "
+                         f"as it measures a step by its tensors' storages, which a {layout} tensor has not; pass "
+                         "it dense (.to_dense()), or train this model without remat")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.layout))
+
+
+def _refuse_unstrided(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raises InputLayoutError naming the first input that is not a strided tensor."""
+    for name, value in bind_inputs(model, args, kwargs).items():
+        for path, x in tree_flatten_with_path(value)[0]:
+            if isinstance(x, torch.Tensor) and x.layout != torch.strided:
+                raise InputLayoutError(name + keystr(path), str(x.layout).removeprefix("torch."))
+
+
 def _raise_if_forward_fails(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """No tracer captured the model: if its forward raises when simply run (without grad; the
     caller restores RNG and state), that is the model's own error, raised as ForwardError."""
@@ -366,8 +403,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
     torch.export if it succeeds, else fx with opaque leaves. `opaque`: submodules that must be
     opaque leaves (the profile found they need tensor values), by name -> why; torch.export,
     which has no leaves, is then not tried. `skip`: paths ("fx", "torch.export") not to take, by
-    name -> why (the capture check found their graph wrong). Raises TraceError if none works, or
-    ForwardError when the model's forward raises when run plainly."""
+    name -> why (the capture check found their graph wrong). Raises TraceError if none works
+    (AssignsAttributes when the forward stores tensors on modules), ForwardError when the model's
+    forward raises when run plainly, InputLayoutError for a sparse input."""
+    _refuse_unstrided(model, args, kwargs)
     skip = skip or {}
     attempts: list[tuple[str, str]] = list(skip.items())
     if "fx" in skip:
@@ -375,12 +414,14 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
     else:
         try:
             traced = trace(model, args, kwargs, opaque=opaque)
+        except AssignsAttributes:     # torch.export's graph drops the assignment too
+            raise
         except TraceError as e:
             traced = None
             attempts.append(("fx", str(e)))
         else:
             if opaque or "torch.export" in skip:
-                return replace(traced, attempts=tuple(attempts))
+                return _with_leaves(model, args, kwargs, replace(traced, attempts=tuple(attempts)))
             if all(why == MEASURED_WHY for _, why in traced.opaque):
                 return traced
             attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
@@ -397,10 +438,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
                              "Face does under gradient checkpointing: the output carries no cache"))
             return replace(exported, attempts=tuple(attempts))
         except Exception as e:
+            _reraise_assignments(e)
             attempts.append(("torch.export with use_cache=False", _first_line(e)))
     try:
         return replace(export(model, args, kwargs), attempts=tuple(attempts))
     except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
+        _reraise_assignments(e)
         attempts.append(("torch.export", _first_line(e)))
         if _cache_output(model, kwargs, e) and not _returns_cache(model, args, kwargs):
             try:
@@ -410,15 +453,30 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
                                 "checkpointing: the output carries no cache")
                 return replace(exported, attempts=tuple(attempts))
             except Exception as e2:
+                _reraise_assignments(e2)
                 attempts.append(("torch.export with use_cache=False", _first_line(e2)))
     return _last_resort(model, args, kwargs, traced, attempts)
+
+
+def _reraise_assignments(e: Exception) -> None:
+    """torch.export found the forward assigning tensor attributes: no other graph keeps them."""
+    if isinstance(e, AssignsAttributes):
+        raise e
+
+
+def _with_leaves(model: torch.nn.Module, args: tuple, kwargs: dict, traced: Traced) -> Traced:
+    """`traced`, once no opaque leaf of it (fx did not see inside them) assigns tensor attributes
+    (NOTE [ tensor attributes assigned in forward ])."""
+    if any(why != MEASURED_WHY for _, why in traced.opaque):
+        _refuse_assignments(model, args, kwargs)
+    return traced
 
 
 def _last_resort(model, args, kwargs, traced: Traced | None, attempts: list) -> Traced:
     """fx with opaque leaves when fx traced at all; else ForwardError when the forward itself
     raises, else TraceError naming what each path said."""
     if traced is not None:
-        return replace(traced, attempts=tuple(attempts))
+        return _with_leaves(model, args, kwargs, replace(traced, attempts=tuple(attempts)))
     _raise_if_forward_fails(model, args, kwargs)
     raise TraceError(f"{type(model).__name__}.forward",
                      "; ".join(f"{p}: {why}" for p, why in attempts))
@@ -429,6 +487,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     """Trace `model` called as `model(*args, **kwargs)`.
 
     Parameters of `forward` that are not given are fixed to their defaults (fx concrete_args).
+    A forward that binds a tensor to a module's attribute (`self.aux_loss = ...`) raises
+    AssignsAttributes: a graph would drop the assignment (`_refuse_assignments`).
     >>> t = trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), (torch.ones(1, 2),), {})
     >>> [n.op for n in t.gm.graph.nodes]
     ['placeholder', 'call_module', 'call_module', 'output']
@@ -442,26 +502,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     opaque = dict(opaque or {})
     fixed: dict[str, str] = {}          # opaque because of their own checkpoint: not recomputed
     hooked = hooked_modules(model)      # leaves, so that their hooks run when they run
-    while True:
-        tracer = _LeafTracer(frozenset(opaque) | frozenset(hooked))
-        try:
-            before, versions = _rng_state(), _tensor_versions(model)
-            with watching(proxies_only=True):
-                graph = tracer.trace(model, concrete_args=concrete or None)
-            if not _same(before, _rng_state()):
-                raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
-                                       "while traced; a trace would freeze them")
-            if versions != _tensor_versions(model):
-                raise FrozenState(f"{type(model).__name__}.forward writes a tensor attribute in place while "
-                                  "traced; a trace would run the write once")
-            break
-        except Exception as e:  # fx raises many types; we classify by where, not by message
-            where = tracer.failed_in
-            if not where or where in opaque or len(opaque) >= max_opaque:
-                raise TraceError(where or f"{type(model).__name__}.forward", f"{type(e).__name__}: {e}") from e
-            opaque[where] = _first_line(e)
-            if isinstance(e, Unfaithful) and not e.recomputable:
-                fixed[where] = f"holds its own checkpoint ({e.construct}); remat does not checkpoint it again"
+    tracer, graph, assigned = _trace_leaves(model, concrete, opaque, fixed, frozenset(hooked), max_opaque)
+    if [k for _, k in assigned if not k.startswith("_tensor_constant")]:    # fx's own constants do not count
+        _refuse_assignments(model, args, kwargs)
     for n in graph.nodes:     # modules whose real kernels fake tensors do not model: measured for real
         if n.op == "call_module" and isinstance(tracer.root.get_submodule(n.target), MEASURED_FOR_REAL):
             opaque.setdefault(n.target, MEASURED_WHY)
@@ -475,6 +518,82 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     fixed.update({m: "has hooks, which a recompute would run again" for m in hooked})
     return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx",
                   fixed=tuple(sorted(fixed.items())))
+
+
+def _trace_leaves(model: torch.nn.Module, concrete: dict, opaque: dict[str, str], fixed: dict[str, str],
+                  hooked: frozenset[str], max_opaque: int) -> tuple[_LeafTracer, fx.Graph, list]:
+    """fx's trace of `model`, each submodule it cannot follow made an opaque leaf (added to
+    `opaque`, and to `fixed` when it holds its own checkpoint) and traced again. Returns the
+    tracer, its graph and (module, attribute) of each plain attribute the trace bound to a
+    tensor; every attribute is as it was before (`attributes_restored`)."""
+    while True:
+        tracer = _LeafTracer(frozenset(opaque) | hooked)
+        try:
+            before, versions = _rng_state(), _tensor_versions(model)
+            with attributes_restored(model) as assigned, watching(proxies_only=True):   # no Proxy left in the model
+                graph = tracer.trace(model, concrete_args=concrete or None)
+            if not _same(before, _rng_state()):
+                raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
+                                       "while traced; a trace would freeze them")
+            if versions != _tensor_versions(model):
+                raise FrozenState(f"{type(model).__name__}.forward writes a tensor attribute in place while "
+                                  "traced; a trace would run the write once")
+            return tracer, graph, assigned
+        except Exception as e:  # fx raises many types; we classify by where, not by message
+            where = tracer.failed_in
+            if not where or where in opaque or len(opaque) >= max_opaque:
+                raise TraceError(where or f"{type(model).__name__}.forward", f"{type(e).__name__}: {e}") from e
+            opaque[where] = _first_line(e)
+            if isinstance(e, Unfaithful) and not e.recomputable:
+                fixed[where] = f"holds its own checkpoint ({e.construct}); remat does not checkpoint it again"
+
+
+# NOTE [ tensor attributes assigned in forward ]
+# A forward may store a tensor on a module (`self.aux_loss = ...` per layer, summed by the loss, as
+# MoE load-balancing losses are): no graph keeps the assignment (fx records the ops and drops the
+# store; torch.export warns and drops it), so a planned step would train without the aux loss,
+# and the profile's loss would read a tensor of an earlier run. A trace that binds a tensor (or a
+# Proxy) to a plain attribute, an export that warns of one, or fx's opaque leaves (it cannot see
+# inside them) make the forward run once for real, without grad (`_refuse_assignments`): when that binds
+# a new tensor to an attribute, capture raises AssignsAttributes naming the module and the
+# attribute, and the runtime plans over the module tree, whose units run the modules as
+# themselves. A rebinding to the same object, or to a copy of its values (`self.freqs_cis =
+# self.freqs_cis.to(h.device)`: state.copy_of), is none: the graph computes the copy each step.
+# The capture check compares the attributes each run assigns too (planner/check.py), for what a
+# trace did not show (torch.export restores attributes before we see them). Planning such a
+# module as an opaque leaf instead needs the profile's stand-in (planner/opaque.py) to assign
+# fake tensors for them, which it does not.
+
+
+class AssignsAttributes(TraceError):
+    """A forward binds a tensor to a module's attribute (an auxiliary loss): no graph keeps the
+    assignment (NOTE [ tensor attributes assigned in forward ])."""
+
+
+def _refuse_assignments(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raises AssignsAttributes when `model`'s forward, run once for real, binds a new tensor to a
+    module's attribute. Run only where a capture saw or could not see such a binding: fx bound a
+    tensor or Proxy to an attribute, torch.export warned of one, or fx left opaque leaves."""
+    found = _assigned_for_real(model, args, kwargs)
+    if found:
+        names = [f"{m}.{k}" if m else k for m, k in found]
+        raise AssignsAttributes(found[0][0] or f"{type(model).__name__}.forward",
+                                f"its forward assigns tensor attribute{'s' if len(names) > 1 else ''} "
+                                f"{', '.join(names)} (an auxiliary loss stored on a module?), which a graph drops; "
+                                "plan_and_wrap plans it over its module tree, whose units run as themselves")
+
+
+def _assigned_for_real(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
+    """(module name, attribute) of each plain attribute `model`'s forward binds to a new tensor
+    when run for real (without grad; buffers, RNG and the attributes restored). A rebinding to
+    the same object or a copy of it (`self.freqs = self.freqs.to(x.device)`) is none. [] when the
+    forward raises."""
+    try:
+        with torch.no_grad(), rng_preserved(), state_preserved(model), tensor_assignments(model) as assigned:
+            model(*args, **kwargs)
+    except Exception:       # the model's own error: reported where no tracer captures it
+        return []
+    return sorted(assigned)
 
 
 def placeholder_values(gm: fx.GraphModule, named: dict) -> list:

@@ -1,0 +1,172 @@
+"""A forward's side effects on its own modules survive planning (issue 42, items 2 and 4): a
+failed capture attempt leaves no tracer's value (an fx Proxy, a fake tensor) in the user's
+model, and tensor attributes a forward assigns (auxiliary losses) are computed as the model
+computes them, or refused by name. Each test failed before its fix."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from remat.planner.errors import TraceError
+from remat.planner.check import check_capture
+from remat.planner.trace import Traced, capture
+from remat.runtime import plan_and_wrap
+
+from conftest import FAST
+
+
+class RotaryBlock(nn.Module):
+    """Meta's reference Llama's pattern: a plain tensor attribute rebound in forward (moved to
+    the input's device), then a branch on a size, which fx cannot follow and export can."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.freqs = torch.randn(64, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.freqs = self.freqs.to(h.device)
+        if x.shape[1] > 1:
+            h = h + self.freqs[: x.shape[1]]
+        return self.out(torch.relu(h))
+
+
+class RotaryNet(nn.Module):
+    """The same in a submodule (fx retries with it opaque) and in the root's own code, where the
+    attribute is a copy each step (cast, as it is moved on a GPU: `model.cuda()` leaves a plain
+    attribute behind), which no graph needs to keep."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.stem, self.block, self.head = nn.Linear(d, d), RotaryBlock(d), nn.Linear(d, d)
+        self.freqs = torch.randn(64, d, dtype=torch.float64)
+
+    def forward(self, x):
+        self.freqs = self.freqs.to(x.device, x.dtype)
+        h = self.block(self.stem(x))
+        if x.shape[1] > 1:
+            h = h * self.freqs[: x.shape[1]].sigmoid()
+        return self.head(h)
+
+
+class DataDependent(RotaryBlock):
+    """A branch on a value: neither fx nor torch.export captures it (planned over the module tree)."""
+
+    def forward(self, x):
+        self.freqs = self.freqs.to(x.device)
+        h = self.fc(x)
+        if h.sum() > 0:
+            h = h + self.freqs[: x.shape[1]]
+        return self.out(h)
+
+
+class Routed(nn.Module):
+    """A mixture-of-experts layer that stores its load-balancing loss on itself; with `branch`,
+    a branch on a size too, which fx cannot follow (an opaque leaf) and torch.export can."""
+
+    def __init__(self, d=32, experts=4, branch=False):
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.aux_loss, self.branch = None, branch
+
+    def forward(self, x):
+        p = self.gate(x).softmax(-1)
+        self.aux_loss = len(self.experts) * (p.mean((0, 1)) ** 2).sum()
+        if self.branch and x.shape[1] > 1:
+            x = x * 0.5
+        return x + sum(p[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class MoE(nn.Module):
+    def __init__(self, d=32, n=3, branch=False):
+        super().__init__()
+        self.layers = nn.ModuleList(Routed(d, branch=branch) for _ in range(n))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _with_aux(model):
+    """The loss of a model whose layers store their auxiliary losses: the output's, plus theirs."""
+    return lambda out: out.square().mean() + 0.1 * sum(layer.aux_loss for layer in model.layers)
+
+
+def _traced_values(model):
+    """(module, attribute) of every attribute, buffer or parameter holding a tracer's value."""
+    bad = []
+    for name, m in model.named_modules():
+        for table in (vars(m), m._buffers, m._parameters):
+            bad += [(name, k) for k, v in table.items() if isinstance(v, (torch.fx.Proxy, FakeTensor))]
+    return bad
+
+
+def _train_like(model, x, loss_of=lambda m: lambda out: out.square().mean(), budget=1.0):
+    """plan_and_wrap `model` (with the loss `loss_of(model)`); two steps of it and of an unwrapped
+    copy give bitwise the same losses and gradients. Returns the plan."""
+    ref = copy.deepcopy(model)
+    w = plan_and_wrap(model, budget, example_inputs=(x,), loss_fn=loss_of(model), options=FAST)
+    assert _traced_values(w) == []
+    for step in range(2):
+        losses = []
+        for m in (ref, w):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss = loss_of(m)(m(x))
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1])
+        for (n, a), b in zip(ref.named_parameters(), w.parameters()):
+            assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), n
+    return w.remat.plan
+
+
+def test_a_failed_fx_attempt_leaves_no_proxy_and_export_captures_the_model():
+    torch.manual_seed(0)
+    plan = _train_like(RotaryNet(), torch.randn(4, 16, 32))
+    assert plan.trace_path == "torch.export", plan.meta.get("trace_attempts")
+
+
+def test_a_model_no_tracer_captures_keeps_its_attributes():
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(4, 16, 32)
+    freqs = model.freqs
+    with pytest.raises(TraceError):
+        capture(model, (x,), {})
+    assert model.freqs is freqs and _traced_values(model) == []
+    _train_like(model, x)       # planned over its module tree
+    assert model.freqs is freqs
+
+
+@pytest.mark.parametrize("branch,skip", [(False, None), (True, None), (True, {"torch.export": "skipped"})])
+def test_an_auxiliary_loss_stored_on_a_module_is_refused_by_name(branch, skip):
+    """fx sees the assignment; fx cannot see inside the opaque layer, torch.export warns of it;
+    fx's opaque layer is all that is left."""
+    torch.manual_seed(0)
+    model, x = MoE(branch=branch), torch.randn(4, 16, 32)
+    with pytest.raises(TraceError, match=r"layers\.0\.aux_loss, layers\.1\.aux_loss, layers\.2\.aux_loss"):
+        capture(model, (x,), {}, skip=skip)
+    assert all(layer.aux_loss is None for layer in model.layers)
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_an_auxiliary_loss_stored_on_a_module_trains_as_the_model_does(branch):
+    torch.manual_seed(0)
+    _train_like(MoE(branch=branch), torch.randn(4, 16, 32), _with_aux, budget="90%")   # over the module tree
+
+
+def test_the_capture_check_compares_the_attributes_a_forward_assigns():
+    torch.manual_seed(0)
+    model, x = MoE(), torch.randn(4, 16, 32)
+    dropped = Traced(torch.fx.symbolic_trace(model), ("x",), ())     # fx's graph, the assignments dropped
+    for layer in model.layers:
+        layer.aux_loss = None       # symbolic_trace left its Proxies there
+    why = check_capture(model, dropped, (x,), {})
+    assert why is not None and "does not assign layers.0.aux_loss" in why, why
+    assert all(layer.aux_loss is None for layer in model.layers)
