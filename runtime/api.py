@@ -6,6 +6,7 @@ import copy
 import inspect
 import logging
 import pickle
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -538,12 +539,13 @@ class Remat:
 
 def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
     """The keywords Hugging Face's Trainer adds to a call with `labels` of a model that accepts
-    loss keywords (its `accepts_loss_kwargs`, else a `**kwargs` forward), as its
-    `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100)
+    loss keywords (its `accepts_loss_kwargs`, else a `**kwargs` forward), when the process has
+    loaded Trainer (`from transformers import Trainer`: a run that does not use it pays no
+    second capture), as its `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100)
     divided by the parallel degrees (transformers 5: a 0-dim float tensor on their device; its
     value is not part of a plan). {} for other calls."""
     labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs:
+    if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs or "transformers.trainer" not in sys.modules:
         return {}
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:

@@ -113,6 +113,7 @@ def test_padded_lengths_and_batch_sizes_run_the_one_exported_graph(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.hf
 def test_trainers_num_items_in_batch_is_planned_by_plan_and_wrap(monkeypatch):
+    from transformers import Trainer  # noqa: F401 - a Trainer run has loaded it
     model = _llama()
     ref = copy.deepcopy(model)
     plan_and_wrap(model, "60%", example_kwargs=_batch([80] * 4))
@@ -129,7 +130,18 @@ def test_trainers_num_items_in_batch_is_planned_by_plan_and_wrap(monkeypatch):
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
 
 
+@pytest.mark.slow
+@pytest.mark.hf
+def test_without_trainer_loaded_only_the_example_call_is_planned(monkeypatch):
+    import sys
+    monkeypatch.delitem(sys.modules, "transformers.trainer", raising=False)
+    model = _llama()
+    plan_and_wrap(model, "60%", example_kwargs=_batch([40] * 4))
+    assert len(model.remat.plans) == 1 and model.remat.solves == 1
+
+
 def test_a_model_that_refuses_trainers_keyword_still_plans_its_own_call():
+    from transformers import Trainer  # noqa: F401 - loaded: plan_and_wrap tries Trainer's call
     class Strict(torch.nn.Module):        # a **kwargs forward that rejects what it does not know
         def __init__(self):
             super().__init__()

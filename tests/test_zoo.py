@@ -92,7 +92,7 @@ def _same_step(ex, ref, wrapped):
 @pytest.mark.parametrize("name", ["hf-gpt2", "unet"])
 def test_autocast_bf16_replans_and_matches(name):
     ex, ref, wrapped = _pair(name)
-    at_wrap = len(wrapped.remat.plans)       # 2 for a model given labels: Trainer's call too (its num_items_in_batch)
+    at_wrap = len(wrapped.remat.plans)       # 2 where Trainer is loaded and labels given: its call too
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _same_step(ex, ref, wrapped)
     def step():             # its own autocast context, as a training step has: the weights' casts
@@ -109,6 +109,7 @@ def test_autocast_bf16_replans_and_matches(name):
 
 def test_no_grad_and_eval_run_the_original():
     ex, ref, wrapped = _pair("hf-gpt2")
+    at_wrap = len(wrapped.remat.plans)     # 2 where Trainer is loaded: its call (num_items_in_batch) too
     with torch.no_grad():
         a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
     assert type(a) is type(b)
@@ -116,7 +117,7 @@ def test_no_grad_and_eval_run_the_original():
     assert not wrapped.training
     a, b = ref(**ex.kwargs), wrapped(**ex.kwargs)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
-    assert len(wrapped.remat.plans) == 2     # made at wrap: the example call and Trainer's (num_items_in_batch)
+    assert len(wrapped.remat.plans) == at_wrap      # nothing planned in eval mode or without grad
 
 
 def test_tied_weights_stay_tied():
