@@ -5,10 +5,12 @@ An fx.Interpreter runs the graph under FakeTensorMode with three instruments:
   it, records which nodes read which storages (through any view), and the peak during each node;
 - saved-tensor hooks record which storages autograd saves, and for which node;
 - FlopCounterMode (compat.TotalFlops: no module tracker) counts FLOPs per node.
-The loss runs as a final node, then backward runs on the fake tensors with gradient hooks on every
-node's outputs, so the backward working memory of each node is measured, not guessed. Those
-measurements calibrate the simulator (NOTE [ liveness ] in simulate.py): `*_extra_bytes` are what
-the measured peak holds beyond what the liveness model explains for the unplanned step.
+The loss runs as a final node (reading the model's tensors as the graph's fake copies, wherever it
+reads them from: planner/step.py, NOTE [ one fake per real tensor ]), then backward runs on the
+fake tensors with gradient hooks on every node's outputs, so the backward working memory of each
+node is measured, not guessed. Those measurements calibrate the simulator (NOTE [ liveness ] in
+simulate.py): `*_extra_bytes` are what the measured peak holds beyond what the liveness model
+explains for the unplanned step.
 """
 from __future__ import annotations
 
@@ -411,15 +413,22 @@ def _run(gm: fx.GraphModule, inputs: dict, loss_fn, opaque: tuple[str, ...], exa
         opaque_state = {m: {k[len(m) + 1:]: v for k, v in fake.real.items() if k.startswith(m + ".")} for m in opaque}
         flops = TotalFlops(display=False, custom_mapping=FLOP_FORMULAS)
         runner = _Runner(gm, mode, flops, opaque_state, examples, fixed or {})
-        grad_params = {id(mode.fixed_storages[i]): t for i, t in enumerate(fake.fixed) if t.requires_grad and t.is_leaf}
         with flops, mode:
             with step_held():
                 bwd, kept = run_step(lambda: _forward(gm, runner, fake.inputs), lambda out: _loss(runner, out, loss_fn),
-                                     lambda loss: _backward(loss, runner), keep_output)
+                                     lambda loss: _backward(loss, runner), keep_output, fake.reads)
             # storages the step made that outlive it (the output when kept: `kept` holds it; a module
             # attribute set in forward, such as the weight spectral_norm's pre-hook computes; a cache)
             held = set(mode.sid.values())
-    return _Run(runner, fake, grad_params, bwd, held)
+    return _Run(runner, fake, _grad_params(mode, fake), bwd, held)
+
+
+def _grad_params(mode: _ProfileMode, fake: FakeState) -> dict[int, torch.Tensor]:
+    """id of its fixed storage -> each fixed tensor that gets a gradient: the graph's, and those
+    only the loss read (`FakeState.late`: fixed from their first read)."""
+    late = [t for _, t in fake.late.values()]
+    return {id(mode.fixed_storages[mode.fixed_ids[t.untyped_storage()]]): t for t in fake.fixed + late
+            if t.requires_grad and t.is_leaf and t.untyped_storage() in mode.fixed_ids}
 
 
 class LossValueDependent(ValueDependent):

@@ -3,7 +3,8 @@
 One definition of each, for the profile, the module-tree profile, the exact replay and the
 runtime's real steps: the loss (`training_loss`); forward, loss and backward in that order, the
 output released once the loss is computed (`run_step`); and the fake step's setup, the model on
-fake copies of its tensors under a FakeTensorMode (`fake_step`, profile and replay).
+fake copies of its tensors under a FakeTensorMode (`fake_step`, profile and replay), the loss and
+backward seeing the same copies wherever they read the model's tensors from (`FakeState.reads`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.nn.utils.stateless import _reparametrize_module
-from .compat import FakeTensorMode, compute_required_storage_length, tree_flatten, tree_map
+from torch.overrides import TorchFunctionMode
+from .compat import (FakeTensorMode, compute_required_storage_length, current_fake_mode, disable_current_modes,
+                     tree_flatten, tree_map)
 
 from .kernels import device_kernels
 from .rng import rng_preserved
@@ -53,16 +56,19 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def run_step(forward: Callable[[], object], loss: Callable[[object], torch.Tensor],
-             backward: Callable[[torch.Tensor], object] = _backward, keep_output: bool = False):
+             backward: Callable[[torch.Tensor], object] = _backward, keep_output: bool = False,
+             reads: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
     """`backward(loss(forward()))`, the output released once the loss is computed (what the loss
     saves stays) unless `keep_output`: the caller holds it through backward, and gets it back.
+    The loss and backward run inside `reads()` (a fake step's `FakeState.reads`).
     Returns (what `backward` returned, the output or None)."""
     out = forward()
-    value = loss(out)
-    if not keep_output:
-        out = None
-    result = backward(value)
-    del value
+    with reads():
+        value = loss(out)
+        if not keep_output:
+            out = None
+        result = backward(value)
+        del value
     return result, out
 
 
@@ -77,6 +83,70 @@ def graph_state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return named
 
 
+# NOTE [ one fake per real tensor ]
+# The fake step swaps fake copies of the graph's tensors into the graph's modules; the loss reads
+# the model's tensors from wherever the user holds them (`model.lm_head.weight` in a fused
+# linear-cross-entropy, a tied weight, a head only the loss applies), and those are the real ones.
+# Run on a real trainable tensor under FakeTensorMode, autograd wrote a fake gradient into the
+# user's `.grad` (it stayed there: a later fake step read it as a tensor of its own, the optimizer
+# stepped on it), and a tied weight got two gradients. `_SameFakes` (a TorchFunctionMode: above
+# autograd) swaps, at every torch function the loss and backward call, each real tensor of the
+# step for the fake copy the graph uses, and a trainable real tensor the graph does not hold (a
+# head only the loss applies) for a fake copy of its own, made at its first read (`FakeState.late`):
+# its meters count it from then on as a tensor that existed before the step. A real run inside the
+# fake step (an opaque module measured for real: no FakeTensorMode current) is left alone.
+# Python code autograd runs in backward (a `Function.backward`, a hook) runs without the
+# TorchFunctionMode: the recompute of the user's own reentrant checkpoint reads the real tensors.
+# A gradient autograd accumulates into one of them moves to its fake copy (`_Redirects`: a
+# post-accumulate-grad hook), and every real tensor has its own `.grad` back when the step ends.
+class _SameFakes(TorchFunctionMode):
+    """Swaps the real tensors of a fake step for their fake copies (NOTE [ one fake per real tensor ])."""
+
+    def __init__(self, step: "FakeState"):
+        super().__init__()
+        self.step = step
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.step.meta or current_fake_mode() is not None:
+            args, kwargs = tree_map(self.step.fake_of, (args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class _Redirects:
+    """Gradients autograd accumulates into real tensors during a fake step, moved to their fake
+    copies; each real tensor's `.grad` and hooks as they were once `close` is called."""
+
+    def __init__(self):
+        self.undo: list[Callable[[], None]] = []
+
+    def add(self, real: torch.Tensor, fake: torch.Tensor) -> None:
+        if not (real.requires_grad and real.is_leaf) or type(real).__name__ == "FakeTensor":
+            return
+        before, hooks = real.grad, real._post_accumulate_grad_hooks
+
+        def moved(t: torch.Tensor) -> None:
+            g, t.grad = t.grad, before
+            if g is None or g is before:        # accumulated in place into a gradient of the user's: left as it was
+                return
+            if fake.grad is None:
+                fake.grad = g
+            else:
+                fake.grad.add_(g)
+        handle = real.register_post_accumulate_grad_hook(moved)
+
+        def undo() -> None:
+            handle.remove()
+            if hooks is None:
+                real._post_accumulate_grad_hooks = None
+            if real.grad is not before:
+                real.grad = before
+        self.undo.append(undo)
+
+    def close(self) -> None:
+        while self.undo:
+            self.undo.pop()()
+
+
 @dataclass(frozen=True)
 class FakeState:
     """What a fake step runs on, made by `fake_step`."""
@@ -85,6 +155,40 @@ class FakeState:
     inputs: object                     # the fake inputs, structured as the real ones
     fixed: list[torch.Tensor]          # the fake state and input tensors: live the whole step
     made_from: list[torch.Tensor]      # the real tensor each of `fixed` was made from
+    copy: Callable[[torch.Tensor], torch.Tensor]    # a fake copy of a real tensor
+    copies: dict[int, torch.Tensor]    # id of each real tensor of `made_from` -> its fake copy
+    late: dict[int, tuple[torch.Tensor, torch.Tensor]]  # id -> (real, fake copy): trainable tensors only the loss reads
+    redirects: _Redirects              # gradients autograd gives the real tensors, moved to the copies
+    grads: bool = False                # every trainable parameter has a gradient from the start
+    meta: bool = False                 # meta copies, no FakeTensorMode (NOTE [ meta step ])
+
+    def fake_of(self, x):
+        """The fake copy the step computes on for `x`, a real tensor of the step or a trainable
+        real tensor only the loss reads (made now, NOTE [ one fake per real tensor ]); else `x`."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in self.copies:
+            return self.copies[id(x)]
+        if id(x) in self.late:
+            return self.late[id(x)][1]
+        if not (x.requires_grad and x.is_leaf) or type(x).__name__ == "FakeTensor" or \
+                (self.meta and x.device.type != "meta"):
+            return x
+        fake = self.copy(x)
+        if self.grads:          # out of the meters' sight: read by backward, it counts as live from the start
+            with disable_current_modes():
+                fake.grad = torch.zeros_like(fake)
+        self.late[id(x)] = (x, fake)
+        self.redirects.add(x, fake)
+        # read now, through the dispatch modes: a meter counts it once, its real storage and its
+        # fake one (the fake twin) as one, however backward reads it later
+        torch.ops.aten.alias.default(fake if self.meta else x)
+        return fake
+
+    def reads(self) -> contextlib.AbstractContextManager:
+        """Around the loss and backward: whatever they read of the step, they read as the graph
+        does (NOTE [ one fake per real tensor ])."""
+        return _SameFakes(self)
 
 
 # NOTE [ meta step ]
@@ -144,7 +248,9 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = Fals
     the fake inputs. `grads`: every trainable parameter starts with a gradient (a micro-step of
     gradient accumulation after the first), live the whole step. `meta`: the step is all on meta
     (`on_meta`), and runs on meta copies without a FakeTensorMode (NOTE [ meta step ]). Attention
-    on meta tensors runs the kernel a device runs (planner/kernels.py). Every RNG ends as it began."""
+    on meta tensors runs the kernel a device runs (planner/kernels.py). Every RNG ends as it began.
+    The loss and backward run inside `FakeState.reads()` (`run_step`'s `reads`): nothing fake is
+    left in the user's tensors (NOTE [ one fake per real tensor ])."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
     modes = (_MetaCopies(), contextlib.nullcontext()) if meta else (None, FakeTensorMode(allow_non_fake_inputs=True))
     with rng_preserved(), modes[1] as fake, device_kernels():
@@ -162,7 +268,15 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = Fals
             for v in {id(v): v for v in state.values() if v.requires_grad and v.is_leaf}.values():
                 v.grad = torch.zeros_like(v)
                 existing.append(v.grad)
-        step = FakeState(real, state, fake_in, list(state.values()) + tensors(fake_in) + existing,
-                         list(real.values()) + tensors(inputs))
-        with _reparametrize_module(gm, state):
-            yield step
+        copy = fake.from_tensor if meta else functools.partial(fake_copy, fake)
+        made_from = list(real.values()) + tensors(inputs)
+        fixed = list(state.values()) + tensors(fake_in)
+        step = FakeState(real, state, fake_in, fixed + existing, made_from, copy,
+                         {id(r): f for r, f in zip(made_from, fixed)}, {}, _Redirects(), grads, meta)
+        for r, f in zip(made_from, fixed):
+            step.redirects.add(r, f)
+        try:
+            with _reparametrize_module(gm, state):
+                yield step
+        finally:
+            step.redirects.close()

@@ -55,6 +55,7 @@ def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[
         with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads, meta) as fake, \
                 LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
             with step_held():
-                run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
+                run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output,
+                         reads=fake.reads)
         return meter.peak_bytes
     return meta_first(gm, kwargs, run)
