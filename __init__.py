@@ -19,8 +19,8 @@ if TYPE_CHECKING:   # the exports where they are defined, for type checkers and 
     from .planner.api import analyze, plan
     from .planner.budget import parse_budget
     from .planner.costgraph import CostGraph
-    from .planner.errors import (BudgetError, ForwardError, InfeasibleBudgetError, LossFnError, PlanMismatchError,
-                                 RematError, SolverError, TraceError, UnsafePlanError)
+    from .planner.errors import (BudgetError, ForwardError, InfeasibleBudgetError, InputLayoutError, LossFnError,
+                                 PlanMismatchError, RematError, SolverError, TraceError, UnsafePlanError)
     from .planner.options import PlanOptions, SolveOptions
     from .planner.result import Plan, Region
     from .runtime.api import Remat, apply, plan_and_wrap, remove
@@ -33,7 +33,8 @@ _EXPORTS = {
     **dict.fromkeys(("plan_and_wrap", "apply", "remove", "Remat", "peak_memory", "assert_fits"), "runtime"),
     **dict.fromkeys(("plan", "analyze", "PlanOptions", "SolveOptions", "Plan", "Region", "CostGraph",
                      "parse_budget", "RematError", "InfeasibleBudgetError", "TraceError", "SolverError",
-                     "BudgetError", "ForwardError", "LossFnError", "PlanMismatchError", "UnsafePlanError"), "planner"),
+                     "BudgetError", "ForwardError", "LossFnError", "InputLayoutError", "PlanMismatchError",
+                     "UnsafePlanError"), "planner"),
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

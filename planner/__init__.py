@@ -19,7 +19,7 @@ _EXPORTS = {
     "DeviceRates": "rates",
     "RematError": "errors", "InfeasibleBudgetError": "errors", "TraceError": "errors", "SolverError": "errors",
     "BudgetError": "errors", "ForwardError": "errors", "PlanMismatchError": "errors", "UnsafePlanError": "errors",
-    "LossFnError": "errors",
+    "LossFnError": "errors", "InputLayoutError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -87,6 +87,21 @@ class LossFnError(RematError):
         return (type(self), (self.shapes, self.cause))
 
 
+class InputLayoutError(RematError, TypeError):
+    """An example input that is not a strided tensor (a sparse COO adjacency, a nested tensor):
+    remat measures a step by its tensors' storages, which such a tensor has not, so neither a
+    graph nor the module tree can be planned. `name` is the input, `layout` its layout."""
+
+    def __init__(self, name: str, layout: str):
+        self.name, self.layout = name, layout
+        super().__init__(f"example input {name} is a {layout} tensor: remat plans strided (dense) inputs only, "
+                         f"as it measures a step by its tensors' storages, which a {layout} tensor has not; pass "
+                         "it dense (.to_dense()), or train this model without remat")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.layout))
+
+
 class SolverError(RematError):
     """The ILP solver failed without a usable plan."""
 

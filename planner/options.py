@@ -17,8 +17,8 @@ class SolveOptions:
         (30, 20000)
     """
 
-    time_limit_s: float = 6.0
-    """Wall-clock limit of one CBC solve, in seconds: 6 s by default, the one default of every
+    time_limit_s: float = 10.0
+    """Wall-clock limit of one CBC solve, in seconds: 10 s by default, the one default of every
     entry point (`remat.plan_and_wrap`, `remat.apply`, `remat.plan`, `remat.assert_fits`'s
     `time_limit_s` and the CLI's `--time-limit`). It is a safety net: `max_nodes` stops CBC at
     the same point on every run; only when the time limit triggers first can two runs' plans

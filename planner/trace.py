@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .errors import ForwardError, RematError, TraceError
+from .errors import ForwardError, InputLayoutError, TraceError
 from .compat import keystr, tree_flatten_with_path
 from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
 from .rng import host_rng_moved, host_rng_state, rng_preserved
@@ -362,21 +362,6 @@ def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
 def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """A Hugging Face model whose config turns its key/value cache on, called without use_cache."""
     return bool(getattr(getattr(model, "config", None), "use_cache", False)) and cache_off(model, args, kwargs) != {}
-
-
-class InputLayoutError(RematError, TypeError):
-    """An example input that is not a strided tensor (a sparse COO adjacency, a nested tensor):
-    remat measures a step by its tensors' storages, which such a tensor has not, so neither a
-    graph nor the module tree can be planned. `name` is the input, `layout` its layout."""
-
-    def __init__(self, name: str, layout: str):
-        self.name, self.layout = name, layout
-        super().__init__(f"example input {name} is a {layout} tensor: remat plans strided (dense) inputs only, "
-                         f"as it measures a step by its tensors' storages, which a {layout} tensor has not; pass "
-                         "it dense (.to_dense()), or train this model without remat")
-
-    def __reduce__(self):
-        return (type(self), (self.name, self.layout))
 
 
 def _refuse_unstrided(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -35,7 +35,7 @@ from remat.planner.result import Plan
 
 log = logging.getLogger("remat.cache")
 
-FORMAT = 1      # the entry layout; an entry of another format is stale
+FORMAT = 2      # the entry layout; an entry of another format is stale (2: plans made before the fake step read one fake per real tensor, issue 42)
 
 
 def enabled(options) -> bool:

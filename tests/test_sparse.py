@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from remat.planner.check import _first_sample
-from remat.planner.trace import InputLayoutError
+from remat import InputLayoutError
 from remat.runtime import plan_and_wrap
 
 from conftest import FAST
