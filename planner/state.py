@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .compat import tree_leaves
+from .fidelity import TENSOR_ONLY_HOOKS
 from .rng import rng_preserved
 
 
@@ -186,13 +187,21 @@ def tensor_assignments(model: torch.nn.Module):
         yield assigned
     finally:
         for name, m, before in saved:
-            for k in [k for k in _rebound(before, m.__dict__) if holds_tensor(m.__dict__[k])]:
+            derived = reparametrized(m)
+            for k in [k for k in _rebound(before, m.__dict__) if holds_tensor(m.__dict__[k]) and k not in derived]:
                 if not copy_of(m.__dict__[k], before.get(k)):
                     assigned[name, k] = m.__dict__[k]
                 if k in before:
                     m.__dict__[k] = before[k]
                 else:
                     del m.__dict__[k]
+
+
+def reparametrized(m: torch.nn.Module) -> set[str]:
+    """The attributes a reparametrizing pre-hook (spectral_norm, weight_norm) binds before each
+    forward: derived from parameters, which the graph computes as the hook does, and read by
+    nothing outside the forward: not an assignment a graph would lose."""
+    return {h.name for h in m._forward_pre_hooks.values() if isinstance(h, TENSOR_ONLY_HOOKS)}
 
 
 @contextlib.contextmanager

@@ -170,3 +170,23 @@ def test_the_capture_check_compares_the_attributes_a_forward_assigns():
     why = check_capture(model, dropped, (x,), {})
     assert why is not None and "does not assign layers.0.aux_loss" in why, why
     assert all(layer.aux_loss is None for layer in model.layers)
+
+
+def test_a_reparametrizing_hook_rebinding_its_weight_is_not_an_assignment():
+    """spectral_norm's pre-hook binds `weight` before every forward, from weight_orig: the graph
+    computes it as the hook does (fuzz seeds 5003, 5013, 5016 were refused as aux losses)."""
+    class ShapeBranch(nn.Module):     # fx cannot follow it: torch.export captures the model
+        def forward(self, x):
+            return x * 2 if x.shape[0] > 4 else x
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(16, 16)), ShapeBranch(),
+                                   torch.nn.GELU(), torch.nn.utils.weight_norm(torch.nn.Linear(16, 4)))
+    model, ref = make(), make()      # weight_norm's module cannot be deep-copied
+    x = torch.randn(8, 16)
+    plan_and_wrap(model, 1.0, example_inputs=(x,))
+    assert model.remat.plan.trace_path == "torch.export"
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
