@@ -15,7 +15,7 @@ from .errors import InfeasibleBudgetError, TraceError
 from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
 from .opaque import measured_loss, real_inputs
 from .optimizer import optimizer_memory
-from .profile import LossValueDependent, ValueDependent, profile
+from .profile import LossValueDependent, ValueDependent, profile, step_device
 from .rates import DeviceRates
 from .result import Plan
 from .rng import rng_preserved
@@ -105,7 +105,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     if optimizer is not None:
         mem = optimizer_memory(optimizer, target_device)
         cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
-    cg = with_workspace(cg, workspace_bytes(target_device or _device_of(model), _step_dtypes(model)))
+    cg = with_workspace(cg, workspace_bytes(target_device or step_device(traced.gm, named), _step_dtypes(model)))
     cg = accumulating(cg, accumulation_steps)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
@@ -190,10 +190,6 @@ def _say_how(model: torch.nn.Module, traced: Traced) -> None:
                         "the output carries no key/value cache", name)
     for module, why in traced.opaque:
         log.info("%s: %s is planned as one opaque node: %s", name, module, why)
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(iter(model.parameters()), torch.empty(0)).device
 
 
 def _step_dtypes(model: torch.nn.Module) -> set:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.utils.flop_counter
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for, suggest_memory_format
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
-                                           UnsupportedOperatorException)
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, UnsupportedOperatorException)
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
@@ -17,7 +18,8 @@ from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, t
 
 CHECKED_ON = "2.13.0"
 
-__all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode",
+__all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
+           "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",

@@ -32,7 +32,7 @@ from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measure
 from .opaque import stand_in, step_held
 from .rates import DeviceRates
 from .simulate import timeline
-from .step import FakeState, fake_step, model_loss, run_step, tensors, training_loss
+from .step import FakeState, describe, fake_step, model_loss, run_step, training_loss
 from .storage import LiveBytes, fake_twin, tensors_in, unlinked
 from .trace import placeholder_values
 
@@ -354,7 +354,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     a region's overheads are what `overheads` measures (the runtime's regions), else `rates`'.
     `fixed`: opaque modules never recomputed (they hold their own checkpoint), by name -> why.
     """
-    device = _step_device(gm, inputs)
+    device = step_device(gm, inputs)
     rates = rates or DeviceRates.for_device(device)
     cost_model = cost_model_for(cost_model, device)
     run = _run(gm, inputs, loss_fn, opaque, examples or {}, keep_output, deterministic_ops, cost_model == "measured",
@@ -375,7 +375,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     return _calibrated(cg, run)
 
 
-def _step_device(gm: fx.GraphModule, inputs: dict) -> torch.device:
+def step_device(gm: fx.GraphModule, inputs: dict) -> torch.device:
     """The device the step runs on: the parameters' (meta when any input is on meta: nothing real)."""
     device = next(iter(gm.parameters()), torch.empty(0)).device
     metas = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.device.type == "meta"]
@@ -444,12 +444,8 @@ def _loss(runner: _Runner, out, loss_fn):
         if loss_fn is None or isinstance(e, RematError):
             raise
         if not fake_cannot_run(e):
-            raise LossFnError(_shapes(out), e) from e
+            raise LossFnError(describe(out), e) from e
         raise LossValueDependent("", e, LOSS) from e
-
-
-def _shapes(out) -> str:
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors(out))[:200]
 
 
 def _forward(gm: fx.GraphModule, runner: _Runner, fake_inputs: dict):

@@ -13,10 +13,8 @@ import contextlib
 from typing import Iterable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .compat import tree_leaves
+from .compat import FakeTensor, FunctionalTensor, tree_leaves
 from .fidelity import TENSOR_ONLY_HOOKS
 from .rng import rng_preserved
 

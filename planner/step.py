@@ -31,6 +31,11 @@ def tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def describe(tree) -> str:
+    """The tensors of a pytree as words: '(4, 128) int64, (4, 128) float32' (at most 200 characters)."""
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors(tree))[:200]
+
+
 def model_loss(out) -> torch.Tensor | None:
     """The loss a model computed itself (a Hugging Face model given `labels`: `out.loss`, as
     Trainer reads it): a scalar that requires grad, or None."""

@@ -96,9 +96,8 @@ def _shapes(ep, names: tuple[str, ...]) -> Shapes | None:
     """The `Shapes` of an exported program's user inputs (by our placeholder names), or None when
     a size is an expression rather than one symbol (then the graph is used at its example sizes)."""
     vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
-    user = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     dims, used = [], set()
-    for name, node_name in zip(names, user):
+    for name, node_name in zip(names, ep.graph_signature.user_inputs):
         v = vals.get(node_name)
         if not isinstance(v, torch.Tensor):
             continue
@@ -308,16 +307,23 @@ def _export(model: torch.nn.Module, a: tuple, kw: dict):
     """torch.export (non-strict) with every input size dynamic where the program allows it, else
     at the example sizes (NOTE [ one graph for every length ])."""
     try:
-        with attributes_restored(model), _quiet(), watching(proxies_only=False), \
-                instance_forwards({model: _named_forward(model, kw)}):
+        with _exporting(model), instance_forwards({model: _named_forward(model, kw)}):
             return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
     except Exception as e:    # a size the program cannot take symbolically: the sizes as given
         if _NOT_A_PYTREE in str(e):
             raise                 # an output no export can return (a key/value cache object): see `capture`
         log.info("%s: no export with dynamic sizes (%s); exporting at the example sizes",
                  type(model).__name__, _first_line(e))
-    with attributes_restored(model), _quiet(), watching(proxies_only=False):
+    with _exporting(model):
         return torch.export.export(model, a, kw, strict=False)
+
+
+@contextlib.contextmanager
+def _exporting(model: torch.nn.Module):
+    """Around one torch.export: the model's attributes as found after it, its log quiet, custom
+    Functions watched."""
+    with attributes_restored(model), _quiet(), watching(proxies_only=False):
+        yield
 
 
 def _as_traced(ep, extra_kwargs: dict | None) -> Traced:
@@ -351,6 +357,8 @@ def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
 
 
 _NOT_A_PYTREE = "not a known type"     # torch.export's words for an output it cannot flatten
+_CACHE_OFF = ("its output holds a key/value cache object (not a pytree); captured with use_cache=False, as "
+              "Hugging Face does under gradient checkpointing: the output carries no cache")
 
 
 def _cache_output(model: torch.nn.Module, kwargs: dict, e: Exception) -> bool:
@@ -412,30 +420,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict[str,
             attempts.append(("fx", f"{len(traced.opaque)} submodule(s) only as opaque leaves"))
     if "torch.export" in skip or opaque:
         return _last_resort(model, args, kwargs, traced, attempts)
-    if _returns_cache(model, args, kwargs):
-        # Hugging Face returns a key/value cache object when use_cache is on; nothing reads it in
-        # training, HF itself turns use_cache off under gradient checkpointing, and an export as
-        # called fails at that output (not a pytree) after tracing everything: so it is off first
-        try:
-            exported = export(model, args, kwargs, {"use_cache": False})
-            attempts.append(("torch.export as called", "its output would hold a key/value cache object (not a "
-                             "pytree: use_cache is on in its config); captured with use_cache=False, as Hugging "
-                             "Face does under gradient checkpointing: the output carries no cache"))
-            return replace(exported, attempts=tuple(attempts))
-        except Exception as e:
-            _reraise_assignments(e)
-            attempts.append(("torch.export with use_cache=False", _first_line(e)))
+    # Hugging Face returns a key/value cache object when use_cache is on; nothing reads it in
+    # training, and HF itself turns use_cache off under gradient checkpointing: so do we. With
+    # use_cache on in its config it is off from the first export (as called, one fails at that
+    # output, not a pytree, after tracing everything); else only once an export as called fails there.
+    first = {"use_cache": False} if _returns_cache(model, args, kwargs) else None
     try:
-        return replace(export(model, args, kwargs), attempts=tuple(attempts))
+        exported = export(model, args, kwargs, first)
+        if first:
+            attempts.append(("torch.export as called", _CACHE_OFF))
+        return replace(exported, attempts=tuple(attempts))
     except Exception as e:  # export raises many types (guards, unsupported ops, pytree)
         _reraise_assignments(e)
-        attempts.append(("torch.export", _first_line(e)))
-        if _cache_output(model, kwargs, e) and not _returns_cache(model, args, kwargs):
+        attempts.append(("torch.export with use_cache=False" if first else "torch.export", _first_line(e)))
+        if not first and _cache_output(model, kwargs, e):
             try:
                 exported = export(model, args, kwargs, {"use_cache": False})
-                attempts[-1] = ("torch.export as called", "its output holds a key/value cache object (not a "
-                                "pytree); captured with use_cache=False, as Hugging Face does under gradient "
-                                "checkpointing: the output carries no cache")
+                attempts[-1] = ("torch.export as called", _CACHE_OFF)
                 return replace(exported, attempts=tuple(attempts))
             except Exception as e2:
                 _reraise_assignments(e2)

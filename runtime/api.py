@@ -26,6 +26,7 @@ from remat.planner.result import Plan
 from remat.planner.simulate import base_liveness
 from remat.planner.rng import rng_preserved
 from remat.planner.state import instance_forwards, mode_key, state_preserved, training_modes
+from remat.planner.step import describe
 from remat.planner.trace import Unflatten, cache_off, capture
 
 from . import distributed, dropin, plan_cache
@@ -311,7 +312,7 @@ class Remat:
             if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
                 return None        # another graph at this shape (a branch on a size): planned as new
             log.info("%s: inputs %s are covered by the plan made for larger ones: kept", type(model).__name__,
-                     _describe(args, kwargs))
+                     describe((args, kwargs)))
             return plan, rewrite_plan(model, traced.gm, plan), traced
         return None
 
@@ -484,7 +485,7 @@ class Remat:
                     return p, rewrite_plan(model, a.traced.gm, p), a.traced
         if self._plans:
             log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
-                        type(model).__name__, _describe(args, kwargs), budget_bytes)
+                        type(model).__name__, describe((args, kwargs)), budget_bytes)
         self.solves += 1
         t0 = time.perf_counter()
         p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure,
@@ -540,17 +541,18 @@ class Remat:
 def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
     """The keywords Hugging Face's Trainer adds to a call with `labels` of a model that accepts
     loss keywords (its `accepts_loss_kwargs`, else a `**kwargs` forward), when the process has
-    loaded Trainer (`from transformers import Trainer`: a run that does not use it pays no
-    second capture), as its `compute_loss` does: `num_items_in_batch`, the labels' count of positions not ignored (-100)
-    divided by the parallel degrees (transformers 5: a 0-dim float tensor on their device; its
-    value is not part of a plan). {} for other calls."""
+    loaded Trainer (`from transformers import Trainer`: a run that does not use it pays no second
+    capture), as its `compute_loss` does: `num_items_in_batch`, the labels' count of positions not
+    ignored (-100) divided by the parallel degrees (transformers 5: a 0-dim tensor of the default
+    float dtype on their device; its value is not part of a plan). {} for other calls."""
     labels = kwargs.get("labels")
-    if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs or "transformers.trainer" not in sys.modules:
+    if not isinstance(labels, torch.Tensor) or "num_items_in_batch" in kwargs \
+            or "transformers.trainer" not in sys.modules:
         return {}
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:
         accepts = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
-    return {"num_items_in_batch": labels.ne(-100).sum() / 1} if accepts else {}
+    return {"num_items_in_batch": labels.ne(-100).sum().to(torch.get_default_dtype())} if accepts else {}
 
 
 def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
@@ -571,12 +573,6 @@ def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
         return x
     out = tree_map_with_path(grow, (args, kwargs))
     return out if grew else (None, None)
-
-
-def _describe(args: tuple, kwargs: dict) -> str:
-    leaves = tree_flatten((args, kwargs))[0]
-    return ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in leaves
-                     if isinstance(x, torch.Tensor))[:200]
 
 
 def _check_matches(plan: Plan, traced, named: dict) -> None:
