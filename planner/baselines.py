@@ -75,7 +75,10 @@ def sac_keepable(cg: CostGraph) -> list[bool]:
     node writes in place (a cached tensor written later would be replayed wrong), and that draw
     no random numbers (a cached draw is skipped in the recompute, so every later random op of
     the region would draw from another point of the RNG stream). Never an opaque module: SAC
-    would cache every op inside it, which its stand-in in the memory model does not hold."""
+    would cache every op inside it, which its stand-in in the memory model does not hold. None
+    when the loss differentiates through the graph (`CostGraph.loss_differentiates`)."""
+    if cg.loss_differentiates:
+        return [False] * len(cg.nodes)
     written_by: dict[int, set[int]] = {}
     for s in cg.storages:
         written_by.setdefault(s.producer, set()).update(s.mutated_by)

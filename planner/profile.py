@@ -217,10 +217,13 @@ class _Runner(fx.Interpreter):
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
         self.loss_kind = "stand-in"       # or the model's own loss (planner.step.model_loss)
+        self.loss_differentiates = False  # the loss ran a backward through the graph (CostGraph field)
 
     def on_backward(self, i: int):
         """Pre-hook of an autograd node node i's forward made: node i's backward runs while it does."""
         def hook(_grad_outputs):
+            if self.mode.node == self.loss_i:       # the loss differentiates through the graph
+                self.loss_differentiates = True
             if self.bwd_node != i:
                 self.close_bwd_interval()
                 self.bwd_node = i
@@ -366,6 +369,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         region_s=measured.region_s if measured else rates.region_s,
         sac_op_s=measured.sac_op_s if measured else rates.sac_op_s,
         param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
+        loss_differentiates=run.runner.loss_differentiates,
         meta={"torch": torch.__version__, "nodes": len(run.runner.index),
               "loss": "given" if loss_fn is not None else run.runner.loss_kind,
               "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,

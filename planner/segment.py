@@ -63,7 +63,7 @@ def segment_graph(cg: CostGraph, a: int, b: int, settled: frozenset = frozenset(
             s.output or decided,
             tuple(sorted({at(w) for w in s.mutated_by if w >= a}))))
     return CostGraph(nodes=tuple(nodes), storages=tuple(storages), fixed_bytes=0, param_bytes=0,
-                     region_s=cg.region_s, sac_op_s=cg.sac_op_s)
+                     region_s=cg.region_s, sac_op_s=cg.sac_op_s, loss_differentiates=cg.loss_differentiates)
 
 
 def shift(regions, by: int) -> tuple[Region, ...]:

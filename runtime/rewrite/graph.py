@@ -12,6 +12,7 @@ import functools
 import operator
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -92,10 +93,30 @@ def view_replay():
 
 def rewinding(tensors: list[torch.Tensor], recompute_ctx=None):
     """The recompute context of a region whose forward starts now, reading or writing `tensors`
-    (see `_Rewound`); `recompute_ctx` (a SAC context) runs inside it."""
+    (see `_Rewound`); `recompute_ctx` (a SAC context) runs inside it. It can be entered again:
+    a double backward recomputes a region once per backward (`Reusable`)."""
     if not tensors:
         return recompute_ctx or contextlib.nullcontext()
-    return _rewound(recompute_ctx or contextlib.nullcontext(), Snapshot(tensors))
+    seen = Snapshot(tensors)
+    return Reusable(lambda: _rewound(recompute_ctx or contextlib.nullcontext(), seen))
+
+
+class Reusable:
+    """A context manager made anew by `make()` at each entry. torch's checkpoint enters a region's
+    recompute context once per recompute, and a region recomputes once per backward that reads
+    it: twice under a double backward (`autograd.grad(..., create_graph=True)` in the loss, then
+    `loss.backward()`). A generator context cannot be entered twice."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make, self.entered = make, []
+
+    def __enter__(self):
+        cm = self.make()
+        self.entered.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -214,8 +235,10 @@ class CheckpointRegion(torch.nn.Module):
         fwd, rec = (selective_contexts(policy, allow_cache_entry_mutation=True) if self.saved
                     else (contextlib.nullcontext(), contextlib.nullcontext()))
         tensors = [getattr(m, name) for m, name in self._state] + [args[i] for i in self._rewound_args]
-        rec = _both(view_replay(), rewinding(tensors, rec))
-        return _scoped(fwd), _scoped(rec if self.clock is None else _both(self.clock.span(), rec))
+        rec = rewinding(tensors, rec)
+        clock = self.clock
+        return _scoped(fwd), Reusable(lambda: _scoped(_both(view_replay(), rec) if clock is None
+                                                      else _both(clock.span(), _both(view_replay(), rec))))
 
     def forward(self, *args):
         gm = self._gm[0]

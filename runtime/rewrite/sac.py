@@ -20,6 +20,7 @@ recompute gets the forward's values and the gradients stay bitwise the unwrapped
 from __future__ import annotations
 
 import torch
+from remat.planner.errors import UnsafePlanError
 from torch.utils.checkpoint import (_CachedTorchDispatchMode, _CachingTorchDispatchMode,
                                     create_selective_checkpoint_contexts)
 
@@ -51,7 +52,18 @@ class _Saving(_CastsOutside, _CachingTorchDispatchMode):
 
 
 class _Replaying(_CastsOutside, _CachedTorchDispatchMode):
-    pass
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as e:
+            if "backward an extra time" not in str(e):
+                raise
+            raise UnsafePlanError(
+                "a region of this plan keeps some of its outputs (selective checkpointing), and torch lets such a "
+                "region be recomputed for one backward only; this step differentiates through it twice (the loss "
+                "calls autograd.grad(..., create_graph=True), or backward runs with retain_graph=True). Plan with "
+                "this loss as loss_fn (remat then keeps nothing in regions the loss differentiates through), or "
+                "with PlanOptions(solve=SolveOptions(sac=False))") from e
 
 
 def selective_contexts(policy, allow_cache_entry_mutation: bool = False):
