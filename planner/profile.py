@@ -32,6 +32,7 @@ from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measure
 from .opaque import stand_in, step_held
 from .rates import DeviceRates
 from .simulate import timeline
+from .state import assign_attribute
 from .step import FakeState, describe, fake_step, model_loss, run_step, training_loss
 from .storage import LiveBytes, fake_twin, tensors_in, unlinked
 from .trace import placeholder_values
@@ -275,6 +276,8 @@ class _Runner(fx.Interpreter):
                 self.mode.users[sid].add(i)
         if n.op == "call_module" and n.target in self.opaque:
             return self.measure(i, lambda: self.run_opaque(n))
+        if n.op == "call_function" and n.target is assign_attribute:
+            self.not_recomputable[i] = "stores a tensor on a module (an auxiliary loss), once per step"
         try:
             return self.measure(i, lambda: super(_Runner, self).run_node(n))
         except Exception as e:     # run for real instead: this module, or the one the node is in

@@ -172,6 +172,13 @@ def copy_of(new, old) -> bool:
             and torch.equal(new, old.to(device=new.device, dtype=new.dtype)))
 
 
+def assign_attribute(module: torch.nn.Module, name: str, value) -> None:
+    """A graph's node for `module.<name> = value` in forward (an auxiliary loss stored on a
+    module): fx records the ops and drops the store, so capture puts it back as this call
+    (NOTE [ tensor attributes assigned in forward ], planner/trace.py). Never recomputed."""
+    setattr(module, name, value)
+
+
 @contextlib.contextmanager
 def tensor_assignments(model: torch.nn.Module):
     """Yields a dict, filled on exit: (module name, attribute) -> the tensor (or container of

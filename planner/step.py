@@ -22,7 +22,7 @@ from .compat import (FakeTensorMode, compute_required_storage_length, current_fa
 
 from .kernels import device_kernels
 from .rng import rng_preserved
-from .state import named_tensors
+from .state import attributes_restored, named_tensors
 from .storage import fake_copy
 
 
@@ -258,7 +258,8 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = Fals
     left in the user's tensors (NOTE [ one fake per real tensor ])."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
     modes = (_MetaCopies(), contextlib.nullcontext()) if meta else (None, FakeTensorMode(allow_non_fake_inputs=True))
-    with rng_preserved(), modes[1] as fake, device_kernels():
+    # attributes the graph stores (an aux loss: state.assign_attribute) hold fake values until the end
+    with rng_preserved(), modes[1] as fake, device_kernels(), attributes_restored(gm):
         fake = modes[0] or fake
         # a tensor under two names (tied weights) is one fake copy: from_tensor memoizes, but a
         # freed storage's copy (fake_copy) is made anew at each call

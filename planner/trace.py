@@ -10,8 +10,10 @@
 Whichever graph is taken, `Traced.attempts` says what the others did. When neither captures
 the model, `capture` raises TraceError, and runtime.api plans over the module tree instead
 (planner.modules, runtime/rewrite/module_tree.py); when the forward itself raises, ForwardError.
-A forward that stores a tensor on a module (an auxiliary loss) raises AssignsAttributes, a
-TraceError: no graph keeps the store (NOTE [ tensor attributes assigned in forward ]). An input
+A forward that stores a tensor on a submodule (an auxiliary loss) is captured by fx with the
+store as a graph node; where no graph keeps the store (torch.export, inside an opaque leaf, on the
+root module) capture raises AssignsAttributes, a TraceError (NOTE [ tensor attributes assigned in
+forward ]). An input
 that is not a strided tensor (sparse) raises InputLayoutError up front: no plan measures it.
 Each attempt leaves the model's attributes as it found them (state.attributes_restored).
 """
@@ -33,7 +35,7 @@ from .errors import ForwardError, InputLayoutError, TraceError
 from .compat import keystr, tree_flatten_with_path
 from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
 from .rng import host_rng_moved, host_rng_state, rng_preserved
-from .state import attributes_restored, instance_forwards, state_preserved, tensor_assignments
+from .state import assign_attribute, attributes_restored, instance_forwards, state_preserved, tensor_assignments
 
 log = logging.getLogger("remat.planner")
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
@@ -54,6 +56,7 @@ class Traced:
     extra_kwargs: dict | None = None        # keyword inputs the graph was captured with (use_cache)
     fixed: tuple[tuple[str, str], ...] = ()  # leaves never recomputed (their own checkpoint, hooks), and why
     shapes: Shapes | None = None            # torch.export with dynamic sizes: the inputs it takes
+    stores: tuple[tuple[str, str], ...] = ()  # (module, attribute) the graph assigns (`assign_attribute`)
 
     def inputs(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         """The graph's inputs, by placeholder name, for the call `model(*args, **kwargs)`."""
@@ -454,7 +457,7 @@ def _with_leaves(model: torch.nn.Module, args: tuple, kwargs: dict, traced: Trac
     """`traced`, once no opaque leaf of it (fx did not see inside them) assigns tensor attributes
     (NOTE [ tensor attributes assigned in forward ])."""
     if any(why != MEASURED_WHY for _, why in traced.opaque):
-        _refuse_assignments(model, args, kwargs)
+        _refuse_assignments(model, args, kwargs, traced.stores)
     return traced
 
 
@@ -473,8 +476,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     """Trace `model` called as `model(*args, **kwargs)`.
 
     Parameters of `forward` that are not given are fixed to their defaults (fx concrete_args).
-    A forward that binds a tensor to a module's attribute (`self.aux_loss = ...`) raises
-    AssignsAttributes: a graph would drop the assignment (`_refuse_assignments`).
+    A forward that binds a tensor to a submodule's attribute (`self.aux_loss = ...`) stores it
+    in the graph too (`_store`); one the graph cannot store raises AssignsAttributes.
     >>> t = trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), (torch.ones(1, 2),), {})
     >>> [n.op for n in t.gm.graph.nodes]
     ['placeholder', 'call_module', 'call_module', 'output']
@@ -488,9 +491,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     opaque = dict(opaque or {})
     fixed: dict[str, str] = {}          # opaque because of their own checkpoint: not recomputed
     hooked = hooked_modules(model)      # leaves, so that their hooks run when they run
-    tracer, graph, assigned = _trace_leaves(model, concrete, opaque, fixed, frozenset(hooked), max_opaque)
+    tracer, graph, assigned, stored = _trace_leaves(model, concrete, opaque, fixed, frozenset(hooked), max_opaque)
+    stores: tuple[tuple[str, str], ...] = ()
     if [k for _, k in assigned if not k.startswith("_tensor_constant")]:    # fx's own constants do not count
-        _refuse_assignments(model, args, kwargs)
+        stores = _store(graph, stored)
+        _refuse_assignments(model, args, kwargs, stores)
     for n in graph.nodes:     # modules whose real kernels fake tensors do not model: measured for real
         if n.op == "call_module" and isinstance(tracer.root.get_submodule(n.target), MEASURED_FOR_REAL):
             opaque.setdefault(n.target, MEASURED_WHY)
@@ -503,28 +508,30 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict, max_opaque: int = 6
     # list of features, a counter) would happen again in a recompute
     fixed.update({m: "has hooks, which a recompute would run again" for m in hooked})
     return Traced(gm, names, tuple(sorted(opaque.items())), "fx with opaque leaves" if opaque else "fx",
-                  fixed=tuple(sorted(fixed.items())))
+                  fixed=tuple(sorted(fixed.items())), stores=stores)
 
 
 def _trace_leaves(model: torch.nn.Module, concrete: dict, opaque: dict[str, str], fixed: dict[str, str],
-                  hooked: frozenset[str], max_opaque: int) -> tuple[_LeafTracer, fx.Graph, list]:
+                  hooked: frozenset[str], max_opaque: int) -> tuple[_LeafTracer, fx.Graph, list, dict]:
     """fx's trace of `model`, each submodule it cannot follow made an opaque leaf (added to
     `opaque`, and to `fixed` when it holds its own checkpoint) and traced again. Returns the
-    tracer, its graph and (module, attribute) of each plain attribute the trace bound to a
-    tensor; every attribute is as it was before (`attributes_restored`)."""
+    tracer, its graph, (module, attribute) of each plain attribute the trace bound to a tensor,
+    and (module name, attribute) -> graph node of each it bound to a Proxy; every attribute is as
+    it was before (`attributes_restored`)."""
     while True:
         tracer = _LeafTracer(frozenset(opaque) | hooked)
         try:
             before, versions = _rng_state(), _tensor_versions(model)
             with attributes_restored(model) as assigned, watching(proxies_only=True):   # no Proxy left in the model
                 graph = tracer.trace(model, concrete_args=concrete or None)
+                stored = _proxies_bound(model)
             if not _same(before, _rng_state()):
                 raise FrozenRandomness(f"{type(model).__name__}.forward draws random numbers in Python "
                                        "while traced; a trace would freeze them")
             if versions != _tensor_versions(model):
                 raise FrozenState(f"{type(model).__name__}.forward writes a tensor attribute in place while "
                                   "traced; a trace would run the write once")
-            return tracer, graph, assigned
+            return tracer, graph, assigned, stored
         except Exception as e:  # fx raises many types; we classify by where, not by message
             where = tracer.failed_in
             if not where or where in opaque or len(opaque) >= max_opaque:
@@ -546,9 +553,14 @@ def _trace_leaves(model: torch.nn.Module, concrete: dict, opaque: dict[str, str]
 # themselves. A rebinding to the same object, or to a copy of its values (`self.freqs_cis =
 # self.freqs_cis.to(h.device)`: state.copy_of), is none: the graph computes the copy each step.
 # The capture check compares the attributes each run assigns too (planner/check.py), for what a
-# trace did not show (torch.export restores attributes before we see them). Planning such a
-# module as an opaque leaf instead needs the profile's stand-in (planner/opaque.py) to assign
-# fake tensors for them, which it does not.
+# trace did not show (torch.export restores attributes before we see them).
+# fx's trace binds the Proxy of the assigned value to the attribute: the store is put back into
+# the graph as a node, `assign_attribute(module, name, value)` before the output (`_store`), and
+# the step computes the aux loss in the graph and stores it where the loss reads it (the fake step
+# stores fake values there, and `fake_step` binds every attribute back afterwards). The node is
+# never recomputed (profile: not recomputable), so a recompute in backward stores nothing. What
+# fx binds on the root module (not the user's object in the graph module) or an opaque leaf binds
+# (fx did not see inside it), and an export's assignments, still raise AssignsAttributes.
 
 
 class AssignsAttributes(TraceError):
@@ -556,11 +568,30 @@ class AssignsAttributes(TraceError):
     assignment (NOTE [ tensor attributes assigned in forward ])."""
 
 
-def _refuse_assignments(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _proxies_bound(model: torch.nn.Module) -> dict[tuple[str, str], fx.Node]:
+    """(module name, attribute) -> node, for each plain attribute an fx trace bound to a Proxy."""
+    return {(name, k): v.node for name, m in model.named_modules() for k, v in vars(m).items()
+            if isinstance(v, fx.Proxy)}
+
+
+def _store(graph: fx.Graph, stored: dict[tuple[str, str], fx.Node]) -> tuple[tuple[str, str], ...]:
+    """The stores of `stored` (a submodule's attribute bound to a graph value) as `assign_attribute`
+    nodes before the graph's output (NOTE [ tensor attributes assigned in forward ]); returns them."""
+    kept = sorted(k for k, node in stored.items() if k[0] and node.graph is graph)
+    out = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(out):
+        for module, name in kept:
+            graph.call_function(assign_attribute, (graph.get_attr(module), name, stored[module, name]))
+    return tuple(kept)
+
+
+def _refuse_assignments(model: torch.nn.Module, args: tuple, kwargs: dict,
+                        stored: tuple[tuple[str, str], ...] = ()) -> None:
     """Raises AssignsAttributes when `model`'s forward, run once for real, binds a new tensor to a
-    module's attribute. Run only where a capture saw or could not see such a binding: fx bound a
-    tensor or Proxy to an attribute, torch.export warned of one, or fx left opaque leaves."""
-    found = _assigned_for_real(model, args, kwargs)
+    module's attribute the graph does not store (`stored`). Run only where a capture saw or could
+    not see such a binding: fx bound a tensor or Proxy to an attribute, torch.export warned of
+    one, or fx left opaque leaves."""
+    found = [x for x in _assigned_for_real(model, args, kwargs) if x not in stored]
     if found:
         names = [f"{m}.{k}" if m else k for m, k in found]
         raise AssignsAttributes(found[0][0] or f"{type(model).__name__}.forward",

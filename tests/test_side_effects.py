@@ -11,8 +11,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.planner.errors import TraceError
 from remat.planner.check import check_capture
+from remat.planner.state import assign_attribute
 from remat.planner.trace import Traced, capture
 from remat.runtime import plan_and_wrap
+from remat.runtime.measure import peak_memory
 
 from conftest import FAST
 
@@ -144,21 +146,57 @@ def test_a_model_no_tracer_captures_keeps_its_attributes():
     assert model.freqs is freqs
 
 
-@pytest.mark.parametrize("branch,skip", [(False, None), (True, None), (True, {"torch.export": "skipped"})])
-def test_an_auxiliary_loss_stored_on_a_module_is_refused_by_name(branch, skip):
-    """fx sees the assignment; fx cannot see inside the opaque layer, torch.export warns of it;
-    fx's opaque layer is all that is left."""
+def test_an_auxiliary_loss_stored_on_a_submodule_is_a_store_in_the_graph():
+    """fx binds the Proxy of the aux loss to the attribute: capture puts the store back as a node
+    (`assign_attribute`), and the model's attributes are as they were."""
     torch.manual_seed(0)
-    model, x = MoE(branch=branch), torch.randn(4, 16, 32)
+    model, x = MoE(), torch.randn(4, 16, 32)
+    traced = capture(model, (x,), {})
+    assert traced.path == "fx"
+    assert traced.stores == (("layers.0", "aux_loss"), ("layers.1", "aux_loss"), ("layers.2", "aux_loss"))
+    assert sum(n.target is assign_attribute for n in traced.gm.graph.nodes) == 3
+    assert all(layer.aux_loss is None for layer in model.layers)
+
+
+@pytest.mark.parametrize("skip", [None, {"torch.export": "skipped"}])
+def test_an_auxiliary_loss_no_graph_stores_is_refused_by_name(skip):
+    """Inside a layer fx cannot follow (an opaque leaf: fx does not see the store), torch.export
+    warns of it and drops it: refused, by name, and planned over the module tree."""
+    torch.manual_seed(0)
+    model, x = MoE(branch=True), torch.randn(4, 16, 32)
     with pytest.raises(TraceError, match=r"layers\.0\.aux_loss, layers\.1\.aux_loss, layers\.2\.aux_loss"):
         capture(model, (x,), {}, skip=skip)
     assert all(layer.aux_loss is None for layer in model.layers)
 
 
+class RootStore(MoE):
+    """The root stores the sum itself: the graph module's root is not the user's object."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.total_aux = sum(layer.aux_loss for layer in self.layers)
+        return out
+
+
+def test_an_auxiliary_loss_stored_on_the_root_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match="total_aux"):
+        capture(RootStore(), (torch.randn(4, 16, 32),), {})
+
+
 @pytest.mark.parametrize("branch", [False, True])
 def test_an_auxiliary_loss_stored_on_a_module_trains_as_the_model_does(branch):
+    """Captured as stores (fx) and planned at a budget that needs regions, or over the module tree:
+    losses and gradients bitwise, the stored losses real tensors equal to the model's own."""
     torch.manual_seed(0)
-    _train_like(MoE(branch=branch), torch.randn(4, 16, 32), _with_aux, budget="90%")   # over the module tree
+    model, x = MoE(branch=branch), torch.randn(4, 16, 32)
+    plan = _train_like(model, x, _with_aux, budget="90%" if branch else "70%")
+    assert plan.trace_path == ("module tree" if branch else "fx")
+    assert branch or plan.regions
+    model.zero_grad(set_to_none=True)
+    measured = peak_memory(lambda: _with_aux(model)(model(x)).backward(), model, x)
+    assert measured <= plan.budget_bytes and measured <= plan.predicted_peak_bytes <= 1.05 * measured
+    assert all(type(layer.aux_loss) is torch.Tensor and layer.aux_loss.requires_grad for layer in model.layers)
 
 
 def test_the_capture_check_compares_the_attributes_a_forward_assigns():
