@@ -2,7 +2,7 @@
 
     python benchmarks/distributed.py [--models gpt,hf-llama] [--layers 6] [--dim 256] [--seq 256]
                                      [--batch 8] [--vocab 4096] [--steps 6]
-                                     [--out benchmarks/results/DATE-distributed.md]
+                                     [--out benchmarks/results/distributed.md]
 
 Models: `gpt`, a GPT-style model (attention by scaled_dot_product_attention, 4x MLP, vocab 512);
 `hf-llama`, a Hugging Face LlamaForCausalLM from a config (`--layers` decoder layers, hidden
@@ -19,6 +19,8 @@ Per rank: the measured peak of one step (allocator events, runtime.measure.alloc
 the sharded parameters and the optimizer's state), and the median step time over `--steps`
 rounds in which every strategy takes one step in turn; the slower rank's numbers are reported. CPU times on a shared
 machine are noisy: ratios in one run, not absolute speeds.
+The table goes to benchmarks/results/distributed.md (the current file: a rerun replaces it; move the
+old run's headline to benchmarks/results/HISTORY.md).
 """
 from __future__ import annotations
 
@@ -265,7 +267,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "distributed.md"))
     argv = sys.argv[1:] if argv is None else argv
     a = ap.parse_args(argv)
     cfg = {k: getattr(a, k) for k in ("layers", "dim", "seq", "batch", "vocab", "steps")}

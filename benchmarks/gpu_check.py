@@ -2,7 +2,7 @@
 three budgets, predicted peak against `torch.cuda.max_memory_allocated`, step time against
 checkpointing every block. One prepared run of a few minutes for a session that has a GPU:
 
-    python benchmarks/gpu_check.py --out benchmarks/results/DATE-gpu.md      # on a CUDA device
+    python benchmarks/gpu_check.py                                            # on a CUDA device: benchmarks/results/gpu.md
     python benchmarks/gpu_check.py --device cpu --tiny                        # the same code, small, on CPU
 
 Per budget (fractions of the way from the smallest feasible to the unplanned whole-step peak, and
@@ -11,7 +11,10 @@ plan with `plan_and_wrap(model, budget, optimizer=opt)`, train `--steps` whole s
 backward, optimizer.step(), zero_grad), and record the allocator's peak of the last one and the
 median step time; before them, the unwrapped model and the same model with every block
 checkpointed (torch's non-reentrant checkpoint on each decoder layer) as the baselines. Timings
-never decide anything here: they are printed and saved.
+never decide anything here: they are printed and saved. On a CUDA device the file is
+benchmarks/results/gpu.md unless --out says otherwise (the current file: a rerun replaces it; move
+the old run's headline to benchmarks/results/HISTORY.md); --tiny or a CPU device writes no file
+unless --out names one.
 """
 from __future__ import annotations
 
@@ -97,13 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (to check the script on CPU)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="default on CUDA without --tiny: benchmarks/results/gpu.md")
     ap.add_argument("--fractions", nargs="*", type=float, default=[0.2, 0.5, 0.8],
                     help="budgets as fractions of the way from the smallest feasible to the unplanned peak")
     ap.add_argument("--over-block", nargs="*", type=float, default=[],
                     help="budgets at every-block checkpointing's measured peak times (1 + each) (CUDA)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
+    if a.out is None and device.type == "cuda" and not a.tiny:
+        a.out = Path(__file__).resolve().parent / "results" / "gpu.md"
     workspace = library_workspace(device)             # first, in a process that has run nothing yet
     ex, cfg = _model(a.tiny, device)
     params = sum(p.numel() for p in ex.model.parameters())

@@ -2,8 +2,8 @@
 
     python benchmarks/plan_time.py                          # all models, u = 0.25 0.5 0.75
     python benchmarks/plan_time.py --models gpt2 hf-llama --fractions 0.5
-    python benchmarks/plan_time.py --out 2026-12-02-plan-time   # .md and .json in benchmarks/results/
-    python benchmarks/plan_time.py --compare benchmarks/results/OLD.json   # extra compute against an older run
+    python benchmarks/plan_time.py --out /tmp/plan-time-mine    # /tmp/plan-time-mine.md and .json
+    python benchmarks/plan_time.py --compare benchmarks/results/plan-time.json   # extra compute against the current run
     python benchmarks/plan_time.py --compare OLD.json --same-budgets        # ... at the older run's budgets
 
 Each row is one `plan_and_wrap` of a fresh copy of the model (plan cache off) at budget =
@@ -22,6 +22,10 @@ segment ILPs the two share are solved once). With `--same-budgets` each row plan
 in bytes of the --compare run's row (a planner that finds a lower floor moves u's budgets down:
 compare plans at equal budgets), and each model's floor is listed under the table. Timings are of
 this machine as it was: run it alone, on a quiet machine. Nothing here is a test.
+
+Writes benchmarks/results/plan-time.md and plan-time.json (the current file: a rerun replaces
+it; move the old run's headline to benchmarks/results/HISTORY.md). A run of some models or
+budgets only: give it --out elsewhere, and compare against the current file with --compare.
 """
 from __future__ import annotations
 
@@ -135,7 +139,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(BUILT_IN + ZOO))
     ap.add_argument("--fractions", nargs="+", type=float, default=[0.25, 0.5, 0.75])
-    ap.add_argument("--out", help="name of the results files (benchmarks/results/NAME.md and .json)")
+    ap.add_argument("--out", default="plan-time",
+                    help="name of the results files (benchmarks/results/NAME.md and .json; default plan-time)")
     ap.add_argument("--compare", help="an older run's .json: its extra compute beside each row")
     ap.add_argument("--same-budgets", action="store_true", help="plan at the --compare run's budgets (bytes)")
     args = ap.parse_args(argv)

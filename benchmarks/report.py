@@ -13,7 +13,7 @@ import torch
 from .exact import MAX_NODES
 
 ROCKMATE = """Rockmate is not a strategy here: it does not run with torch 2.13 on CPU (what was tried:
-benchmarks/results/2026-12-01-solver-notes.md)."""
+benchmarks/results/solver-notes.md)."""
 
 
 COMPILE = """torch.compile: the unplanned model compiled (Inductor, CPU) with
@@ -55,8 +55,10 @@ def _cpu() -> str:
 
 
 def stem(quick: bool) -> str:
-    """<date>-<host>, with -quick for a --quick run (it never overwrites the full table)."""
-    return f"{datetime.date.today().isoformat()}-{socket.gethostname()}" + ("-quick" if quick else "")
+    """step-time (benchmarks/results/step-time.md, the current file: a rerun replaces it; the old
+    run's headline goes to benchmarks/results/HISTORY.md by hand), with -quick for a --quick run
+    (it never overwrites the full table)."""
+    return "step-time" + ("-quick" if quick else "")
 
 
 def header(argv: list[str]) -> str:

@@ -19,8 +19,10 @@ alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out. `--cl
 with one torch thread every kernel runs in that thread, and the time other jobs of a shared
 machine take the core away is not in it.
 Graphs of at most 90 nodes are also solved exactly, for our optimality gap. Writes
-benchmarks/results/<date>-<host>.md (a --quick run: <date>-<host>-quick.md) and a Pareto plot
-per model beside it. Timings never gate tests.
+benchmarks/results/step-time.md (a --quick run: step-time-quick.md; --eager: step-time-eager.md)
+and a Pareto plot per model beside it (step-time-<model>.png), replacing the current file: move
+the old run's headline to benchmarks/results/HISTORY.md, and give a partial run its own --out.
+Timings never gate tests.
 """
 from __future__ import annotations
 
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
                     help="step times: wall time (default), or the calling thread's CPU time, which a shared "
                          "machine's other jobs do not inflate (CPU with --threads 1 only: then every kernel runs "
                          "in that thread)")
-    ap.add_argument("--out", help="results file stem under benchmarks/results (default <date>-<host>[-quick][-eager])")
+    ap.add_argument("--out", help="results file stem under benchmarks/results (default step-time[-quick][-eager])")
     a = ap.parse_args(argv)
     if a.clock == "cpu" and a.threads != 1:
         ap.error("--clock cpu times the calling thread: pass --threads 1 (other threads' work would be missed)")

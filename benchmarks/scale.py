@@ -4,7 +4,7 @@
     python benchmarks/scale.py --models all --fractions 0.3 0.5 0.7
     python benchmarks/scale.py --flat                       # also the flat path, for comparison
     python benchmarks/scale.py --models all --flat gpt2-small llama-7b   # the flat path for two of them
-    python benchmarks/scale.py --out 2026-12-01-scale.md    # Markdown table in benchmarks/results/
+    python benchmarks/scale.py --models all --out /tmp/scale.md   # elsewhere than benchmarks/results/scale.md
 
 Each model is built under `torch.device("meta")` (parameters and inputs are meta tensors), traced
 and profiled by `planner.analyze` (with AdamW over its parameters for the Hugging Face shapes:
@@ -27,6 +27,9 @@ seconds, CBC's included, beside it: the machine may be shared), the unplanned an
 estimated extra compute (recompute seconds over forward seconds, roofline estimate), and the
 solver's status. Every solve is cold: remat's caches are off (REMAT_CACHE=0, unless set), so that
 no CBC result stored by an earlier run is read back (planner/cbc.py NOTE [ solved once ]).
+The table goes to benchmarks/results/scale.md (the current file, from `--models all`: a rerun
+replaces it; move the old run's headline to benchmarks/results/HISTORY.md); --out elsewhere for
+a partial run.
 """
 from __future__ import annotations
 
@@ -180,7 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--flat", nargs="*", metavar="MODEL", help="also plan with the flat path (before the "
                     "hierarchy): these models, or with no name every model run")
     ap.add_argument("--target-device", default="cuda", help="the rates and optimizer step planned for")
-    ap.add_argument("--out", help="Markdown file (a bare name goes to benchmarks/results/)")
+    ap.add_argument("--out", default="scale.md",
+                    help="Markdown file (a bare name goes to benchmarks/results/; default scale.md)")
     ap.add_argument("--append", action="store_true", help="add the rows to --out's table (and the command to its header)")
     args = ap.parse_args(argv)
     rows = []

@@ -1,6 +1,6 @@
 """Real architectures (benchmarks/zoo_models.py) at 50% of their activation memory: trace path, fit, equality.
 
-    python benchmarks/zoo.py [--models hf-gpt2,lstm-lm] [--fraction 0.5] [--out results/zoo.md]
+    python benchmarks/zoo.py [--models hf-gpt2,lstm-lm] [--fraction 0.5] [--out benchmarks/results/zoo.md]
 
 Per model: how the graph was captured, its node count and opaque modules, the planning time, and
 at `fixed + fraction * activations` (fixed = parameters, their grads, buffers, inputs): the
@@ -17,6 +17,8 @@ through the same rewriter), and for Hugging Face models their own one-liner,
 `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`
 (per-block checkpointing). Every measured peak is of the second real step (the first warms up).
 tests/test_accuracy.py asserts predicted against measured, and the floor against these baselines.
+The table goes to benchmarks/results/zoo.md (the current file: a rerun replaces it; move the old
+run's headline to benchmarks/results/HISTORY.md); --out elsewhere for a run of some models.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import copy
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -248,7 +251,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(ZOO))
     ap.add_argument("--fraction", type=float, default=0.5)
-    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "zoo.md"),
+                    help="also write the table to this markdown file (default benchmarks/results/zoo.md)")
     a = ap.parse_args(argv)
     rows = []
     for name in a.models.split(","):
