@@ -2,6 +2,7 @@
 the version CI installs; pyproject's lower bound). A torch upgrade that moves one breaks here, at
 import, with its name, not deep inside a plan. FSDP2's private state is read in
 runtime/distributed/fsdp.py alone (its docstring). Public torch APIs are imported where used.
+tests/test_private_api.py holds every other file of planner/ and runtime/ to it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch.utils.flop_counter
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, UnsupportedOperatorException)
+from torch._C._profiler import _EventType as ProfilerEventType
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx import _pytree as fx_pytree
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import _CachedTorchDispatchMode as CachedTorchDispatchMode
+from torch.utils.checkpoint import _CachingTorchDispatchMode as CachingTorchDispatchMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map,
@@ -18,7 +25,8 @@ from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, t
 
 CHECKED_ON = "2.13.0"
 
-__all__ = ["CHECKED_ON", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
+__all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", "ProfilerEventType", "fx_pytree",
+           "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 
 import torch
 import torch.fx as fx
@@ -41,36 +42,75 @@ def _proxies(args, kwargs) -> bool:
     return any(isinstance(x, fx.Proxy) for x in tree_flatten((args, kwargs))[0])
 
 
-@contextlib.contextmanager
-def watching(proxies_only: bool):
-    """Inside, a custom autograd.Function applied (to fx proxies, with `proxies_only`: fx runs
-    Functions on constants at trace time, harmlessly) or saved-tensor hooks entered raise
-    Unfaithful: a graph would keep the Function's forward without its backward, and run the
-    hooks (the user's torch.utils.checkpoint among them) only while it is captured."""
-    function = torch.autograd.Function
-    apply, enter = function.__dict__["apply"], torch.autograd.graph.saved_tensors_hooks.__enter__
+# NOTE [ watched in this thread only ]
+# torch offers no hook on a custom autograd.Function's apply or on entering saved-tensor hooks,
+# so `watching` puts watchers on both classes, once for all threads that watch (counted, under a
+# lock; the originals back when the last one leaves). A watcher acts only in a thread that is
+# inside `watching` (a thread-local mode); in every other thread it calls the original at once:
+# a model training in another thread while this one captures runs its Functions as ever
+# (tests/test_threads.py).
+_WATCH = threading.local()      # .proxies_only: None outside `watching`, else its argument
+_INSTALLED = {"count": 0, "apply": None, "enter": None}
+_LOCK = threading.Lock()
 
-    def watched_apply(cls, *args, **kwargs):
-        # a torch.library custom op's autograd (its Function is generated there) is kept: the graph
-        # records the op itself, whose registered backward runs when the graph runs
-        custom_op = is_custom_op_class(cls)
-        if not custom_op and (not proxies_only or _proxies(args, kwargs)):
-            own = cls is torch.utils.checkpoint.CheckpointFunction    # the user's reentrant checkpoint
-            raise Unfaithful(f"custom autograd.Function {cls.__qualname__}",
-                             "a graph records its forward's ops and loses its backward", recomputable=not own)
-        return apply.__func__(cls, *args, **kwargs)
 
-    def watched_enter(self):
+def _watched_apply(cls, *args, **kwargs):
+    proxies_only = getattr(_WATCH, "proxies_only", None)
+    # a torch.library custom op's autograd (its Function is generated there) is kept: the graph
+    # records the op itself, whose registered backward runs when the graph runs
+    if proxies_only is not None and not is_custom_op_class(cls) and (not proxies_only or _proxies(args, kwargs)):
+        own = cls is torch.utils.checkpoint.CheckpointFunction    # the user's reentrant checkpoint
+        raise Unfaithful(f"custom autograd.Function {cls.__qualname__}",
+                         "a graph records its forward's ops and loses its backward", recomputable=not own)
+    return _INSTALLED["apply"].__func__(cls, *args, **kwargs)
+
+
+def _watched_enter(self):
+    if getattr(_WATCH, "proxies_only", None) is not None:
         raise Unfaithful(f"saved-tensor hooks ({type(self).__qualname__})",
                          "the forward pushes saved-tensor hooks (its own torch.utils.checkpoint, offloading), "
                          "which a graph runs only while it is captured", recomputable=False)
-    function.apply = classmethod(watched_apply)
-    torch.autograd.graph.saved_tensors_hooks.__enter__ = watched_enter
+    return _INSTALLED["enter"](self)
+
+
+def watchers_installed() -> bool:
+    """Some thread is inside `watching` (the watchers are on torch's classes)."""
+    return _INSTALLED["count"] > 0
+
+
+@contextlib.contextmanager
+def _watchers():
+    """The watchers on Function.apply and saved_tensors_hooks.__enter__ while any thread watches."""
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    with _LOCK:
+        if _INSTALLED["count"] == 0:
+            _INSTALLED.update(apply=torch.autograd.Function.__dict__["apply"], enter=hooks.__enter__)
+            torch.autograd.Function.apply = classmethod(_watched_apply)
+            hooks.__enter__ = _watched_enter
+        _INSTALLED["count"] += 1
     try:
         yield
     finally:
-        function.apply = apply
-        torch.autograd.graph.saved_tensors_hooks.__enter__ = enter
+        with _LOCK:
+            _INSTALLED["count"] -= 1
+            if _INSTALLED["count"] == 0:
+                torch.autograd.Function.apply, hooks.__enter__ = _INSTALLED["apply"], _INSTALLED["enter"]
+
+
+@contextlib.contextmanager
+def watching(proxies_only: bool):
+    """Inside, in this thread, a custom autograd.Function applied (to fx proxies, with
+    `proxies_only`: fx runs Functions on constants at trace time, harmlessly) or saved-tensor
+    hooks entered raise Unfaithful: a graph would keep the Function's forward without its
+    backward, and run the hooks (the user's torch.utils.checkpoint among them) only while it is
+    captured. Other threads are not watched (NOTE [ watched in this thread only ])."""
+    before = getattr(_WATCH, "proxies_only", None)
+    with _watchers():
+        _WATCH.proxies_only = proxies_only
+        try:
+            yield
+        finally:
+            _WATCH.proxies_only = before
 
 
 class Modes:

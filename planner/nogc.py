@@ -13,18 +13,22 @@ plan 3.0 -> 1.35 s (benchmarks/plan_time.py's hf-moe row at u = 0.5), gpt2's 1.1
 on (nested calls leave it to the outermost): cyclic garbage made meanwhile is collected then. It
 wraps only code without torch: a replay's storages are freed when autograd drops them, and a
 cycle among them must be collected when it would be in training, not later.
+The collector is the process's, not a thread's: it is paused only while the planning thread is
+the process's only Python thread. With others running (a data loader's, a trainer's), planning
+leaves it on and takes longer rather than hold back their garbage.
 """
 from __future__ import annotations
 
 import functools
 import gc
+import threading
 
 
 def paused(fn):
     """`fn` run with the cyclic garbage collector off (NOTE [ solving without the cyclic GC ])."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not gc.isenabled():
+        if not gc.isenabled() or threading.active_count() > 1:
             return fn(*args, **kwargs)
         gc.disable()
         try:

@@ -18,8 +18,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module
-from .compat import (TorchDispatchMode, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
+from .compat import (TorchDispatchMode, reparametrize_module, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
                      tree_map, tree_unflatten)
 from .compat import disable_current_modes as _disable_current_modes
 from .compat import TotalFlops
@@ -174,7 +173,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         # recomputes there, and must use (and give gradients to) the copies, not the user's tensors
         # FlopCounterMode outside the meter: it decomposes ops it has no formula for (silu_backward),
         # and the meter must see the ops the step runs, not their decompositions' temporaries
-        with _reparametrize_module(module, state, tie_weights=True), \
+        with reparametrize_module(module, state, tie_weights=True), \
                 TotalFlops(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
                 LiveBytes(baseline=inputs + list(state.values())) as live, _Casts(state.values()) as casts:
             start = live.live_bytes

@@ -15,9 +15,8 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
-from .compat import (FakeTensorMode, compute_required_storage_length, current_fake_mode, disable_current_modes,
+from .compat import (FakeTensorMode, reparametrize_module, compute_required_storage_length, current_fake_mode, disable_current_modes,
                      tree_flatten, tree_map)
 
 from .kernels import device_kernels
@@ -282,7 +281,7 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = Fals
         for r, f in zip(made_from, fixed):
             step.redirects.add(r, f)
         try:
-            with _reparametrize_module(gm, state):
+            with reparametrize_module(gm, state):
                 yield step
         finally:
             step.redirects.close()

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
 
 from .errors import ForwardError, InputLayoutError, TraceError
-from .compat import keystr, tree_flatten_with_path
+from .compat import fx_pytree, keystr, pytree, tree_flatten_with_path
+from .muted import muted
 from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
 from .rng import host_rng_moved, host_rng_state, rng_preserved
 from .state import assign_attribute, attributes_restored, instance_forwards, state_preserved, tensor_assignments
@@ -195,10 +194,15 @@ class _LeafTracer(fx.Tracer):
     composites (nn.Transformer, its layers) are traced through, so that they can be planned.
     A module whose tracing draws random numbers (`if torch.rand(()) < p: skip`, `random.random()`
     in forward) fails like an untraceable one: fx would freeze the draw into the graph.
+
+    fx's trace puts its wrappers on `torch.nn.Module.__call__` and `__getattr__` for the whole
+    process; in any other thread than the tracing one they run the module as it is (a model
+    training in another thread while this one traces: tests/test_threads.py).
     """
 
     def __init__(self, extra_leaves: frozenset[str] = frozenset()):
         super().__init__()
+        self.thread = threading.get_ident()
         self.modes = Modes()    # grad-mode changes kept per node; inference mode, torch.func: Unfaithful
         # buffers become graph attributes, as parameters do: a read of `self.scale` is read at
         # run time, and an in-place update is a node of the graph (not run once, at trace time)
@@ -220,7 +224,14 @@ class _LeafTracer(fx.Tracer):
             args = (super().create_proxy("get_attr", target, (), {}),) + tuple(args)
         return super().create_proxy("call_function", in_grad_mode(grad, target, kind), args, kwargs, *rest, **kw)
 
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
         qualname = self.path_of_module(m)
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
@@ -260,19 +271,6 @@ def as_keywords(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     var_kw = [p.name for p in params if p.kind == p.VAR_KEYWORD]
     extra = bound.pop(var_kw[0], {}) if var_kw else {}
     return (), {**bound, **extra}
-
-
-@contextlib.contextmanager
-def _quiet():
-    """A failed export logs warnings and prints its partial graph to stderr; its exception,
-    which we keep, says enough."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logging.disable(previous)
 
 
 def _first_line(e: BaseException) -> str:
@@ -325,7 +323,7 @@ def _export(model: torch.nn.Module, a: tuple, kw: dict):
 def _exporting(model: torch.nn.Module):
     """Around one torch.export: the model's attributes as found after it, its log quiet, custom
     Functions watched."""
-    with attributes_restored(model), _quiet(), watching(proxies_only=False):
+    with attributes_restored(model), muted(), watching(proxies_only=False):
         yield
 
 

@@ -2,7 +2,7 @@
 
 A CUDA step's first matmul of a dtype allocates a workspace through the caching allocator (the
 forward's thread and autograd's backward thread each their own), and it stays allocated: 64 MiB
-on an H200 for a bf16 step (benchmarks/results/2026-12-04-gpu.md), outside every tensor the step
+on an H200 for a bf16 step (benchmarks/results/gpu.md), outside every tensor the step
 makes, yet inside `torch.cuda.max_memory_allocated`. A plan counts it as live throughout
 (`costgraph.with_workspace`). It is measured once per device and set of dtypes: the workspaces
 are released (torch makes them again on demand), then a forward and backward matmul of each dtype

@@ -24,24 +24,24 @@ from pathlib import Path
 from typing import Callable
 
 # torch warns when it first looks for numpy and finds none (the minimal install: torch + pulp);
-# remat needs no numpy. This works only before torch is first imported: by the imports below,
-# as long as the `runtime` package's own __init__ does not import torch first.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+# remat needs no numpy. The filter holds while these imports first import torch (as long as the
+# `runtime` package's own __init__ does not import torch first), and is gone after them: a
+# process that imports the CLI keeps the warning filters it had.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    from remat.planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
+    from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
+    from remat.planner.errors import BudgetError
+    from remat.planner.result import Plan
+    from remat.planner.rng import rng_preserved
+    from remat.planner.simulate import timeline
 
-from remat.planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
-from remat.planner.errors import BudgetError
-from remat.planner.result import Plan
-from remat.planner.rng import rng_preserved
-from remat.planner.simulate import timeline
-
-from . import plots
-from ..distributed import per_rank_analysis
-from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
-
-from .report import report_text, segments, table
-from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct, measure_peak_bytes, model_code, profile_model,
-                      solve_budget, unplanned_peak_bytes)
-from .session import time_plan
+    from . import plots
+    from ..distributed import per_rank_analysis
+    from .report import report_text, segments, table
+    from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct,
+                          measure_peak_bytes, model_code, profile_model, solve_budget, time_plan,
+                          unplanned_peak_bytes)
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
 
@@ -439,7 +439,7 @@ def _say_logs(say):
 # a user factory's draws (its weights, its inputs) do not move the caller's random stream and a
 # second call builds the same model. Both hold however a command ends, SystemExit included.
 # What the planner and runtime.measure change they put back themselves (planner.kernels,
-# planner.trace._quiet, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
+# planner.muted, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
 # them all to a snapshot of the process.
 def main(argv: list[str] | None = None) -> int:
     try:

@@ -9,9 +9,8 @@ import weakref
 from typing import Callable
 
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
-from remat.planner.compat import tree_flatten
+from remat.planner.compat import ProfilerEventType, tree_flatten
 
 from remat.planner.storage import LiveBytes, storage_of, tensors_in
 
@@ -260,7 +259,7 @@ def _memory_events(tree) -> list[tuple[int, int, int, float, bool]]:
     out, stack = [], [(root, None, False) for root in tree]
     while stack:
         ev, top_end, c10d = stack.pop()
-        if ev.tag == _EventType.Allocation:
+        if ev.tag == ProfilerEventType.Allocation:
             out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
                         math.inf if top_end is None else top_end, c10d))
         c10d = c10d or ev.name.startswith("c10d::")

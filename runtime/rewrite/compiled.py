@@ -3,7 +3,7 @@
 Under `torch.compile` a plain region (one that keeps no nodes) becomes Dynamo's checkpoint op
 inside the one graph (runtime.rewrite), and AOTAutograd's partitioner decides what else the
 compiled step saves between regions. That is not the eager step the fake replay models: Inductor
-can save more or less (benchmarks/results/2026-12-01-solver-notes.md has a case). So
+can save more or less (benchmarks/results/solver-notes.md has a case). So
 `CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the model
 rewritten with the regions asked about, runs two real steps on the example inputs (the first
 compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at the

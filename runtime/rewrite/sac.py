@@ -20,9 +20,10 @@ recompute gets the forward's values and the gradients stay bitwise the unwrapped
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from remat.planner.compat import CachedTorchDispatchMode, CachingTorchDispatchMode
 from remat.planner.errors import UnsafePlanError
-from torch.utils.checkpoint import (_CachedTorchDispatchMode, _CachingTorchDispatchMode,
-                                    create_selective_checkpoint_contexts)
 
 _LOWER = (torch.bfloat16, torch.float16)
 
@@ -47,11 +48,11 @@ class _CastsOutside:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Saving(_CastsOutside, _CachingTorchDispatchMode):
+class _Saving(_CastsOutside, CachingTorchDispatchMode):
     pass
 
 
-class _Replaying(_CastsOutside, _CachedTorchDispatchMode):
+class _Replaying(_CastsOutside, CachedTorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
