@@ -58,6 +58,29 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     train mode is profiled in the modes of its modules as they are (a BatchNorm frozen in eval
     stays frozen). Nothing of the user's model changes: RNG states, buffers and modes are as
     they were."""
+    args, kwargs = _checked_arguments(model, example_inputs, example_kwargs, accumulation_steps, optimizer)
+    t0 = time.perf_counter()
+    times = {"capture": 0.0, "check": 0.0, "profile": 0.0}
+    with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
+        traced, checked, named, examples, fake_loss, cg = _captured_and_profiled(
+            model, args, kwargs, loss_fn, times, lambda gm, named, loss, opaque, examples, fixed: profile(
+                gm, named, loss, rates, opaque, examples, keep_output, frozenset(deterministic_ops), cost_model,
+                overheads, fixed))
+    _say_how(model, traced)
+    if optimizer is not None:
+        mem = optimizer_memory(optimizer, target_device)
+        cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
+    cg = with_workspace(cg, workspace_bytes(target_device or step_device(traced.gm, named), _step_dtypes(model)))
+    cg = accumulating(cg, accumulation_steps)
+    cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
+                           "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
+                           "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
+    return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss, times)
+
+
+def _checked_arguments(model, example_inputs, example_kwargs, accumulation_steps, optimizer) -> tuple[tuple, dict]:
+    """`analyze`'s arguments checked (a typed error saying what is wrong); the example inputs as
+    (args, kwargs)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if example_inputs is not None else ()
@@ -70,47 +93,41 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    t0 = time.perf_counter()
+    return args, kwargs
+
+
+def _captured_and_profiled(model, args, kwargs, loss_fn, times: dict, run_profile):
+    """Capture (checked) and profile, until the profile runs: a loss fake tensors cannot run is
+    measured for real, a module they cannot run becomes opaque (or the graph is captured again
+    with it as a leaf). Returns (traced, check result, named inputs, opaque examples, the loss
+    measured for real or None, the CostGraph); `times` gets each stage's seconds."""
     fake_loss = None
     skip: dict[str, str] = {}      # capture paths whose graph failed the capture check, and why
-    times = {"capture": 0.0, "check": 0.0, "profile": 0.0}
-    with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
-        traced, checked = _checked_capture(model, args, kwargs, None, skip, times)
-        named = traced.inputs(model, args, kwargs)
-        while True:
-            opaque = tuple(m for m, _ in traced.opaque)
-            examples = real_inputs(traced.gm, named, opaque) if opaque else {}
-            t1 = time.perf_counter()
-            try:
-                cg = profile(traced.gm, named, loss_fn, rates, opaque, examples, keep_output,
-                             frozenset(deterministic_ops), cost_model, overheads, dict(traced.fixed))
-                times["profile"] += time.perf_counter() - t1
-                break
-            except LossValueDependent as e:    # the loss fake tensors cannot run: measured for real
-                times["profile"] += time.perf_counter() - t1
-                if fake_loss is not None:
-                    raise
-                fake_loss = loss_fn = measured_loss(loss_fn, _real_output(traced.gm, named))
-                log.info("%s: the loss is measured for real (%s)", type(model).__name__, e.why)
-            except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
-                times["profile"] += time.perf_counter() - t1
-                forced = _opaque_for(model, traced, e)
-                if forced is None:
-                    traced = replace(traced, opaque=traced.opaque + ((e.module, _needs_values(e)),),
-                                     path="fx with opaque leaves" if traced.path == "fx" else traced.path)
-                else:
-                    traced, checked = _checked_capture(model, args, kwargs, forced, skip, times)
-                named = traced.inputs(model, args, kwargs)
-    _say_how(model, traced)
-    if optimizer is not None:
-        mem = optimizer_memory(optimizer, target_device)
-        cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
-    cg = with_workspace(cg, workspace_bytes(target_device or step_device(traced.gm, named), _step_dtypes(model)))
-    cg = accumulating(cg, accumulation_steps)
-    cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
-                           "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,
-                           "inputs": input_signature(named), "targets": [c.target for c in cg.nodes]})
-    return Analysis(traced, cg, time.perf_counter() - t0, named, examples, fake_loss, times)
+    traced, checked = _checked_capture(model, args, kwargs, None, skip, times)
+    named = traced.inputs(model, args, kwargs)
+    while True:
+        opaque = tuple(m for m, _ in traced.opaque)
+        examples = real_inputs(traced.gm, named, opaque) if opaque else {}
+        t1 = time.perf_counter()
+        try:
+            cg = run_profile(traced.gm, named, loss_fn, opaque, examples, dict(traced.fixed))
+            times["profile"] += time.perf_counter() - t1
+            return traced, checked, named, examples, fake_loss, cg
+        except LossValueDependent as e:    # the loss fake tensors cannot run: measured for real
+            times["profile"] += time.perf_counter() - t1
+            if fake_loss is not None:
+                raise
+            fake_loss = loss_fn = measured_loss(loss_fn, _real_output(traced.gm, named))
+            log.info("%s: the loss is measured for real (%s)", type(model).__name__, e.why)
+        except ValueDependent as e:    # a module fake tensors cannot run: profiled for real
+            times["profile"] += time.perf_counter() - t1
+            forced = _opaque_for(model, traced, e)
+            if forced is None:
+                traced = replace(traced, opaque=traced.opaque + ((e.module, _needs_values(e)),),
+                                 path="fx with opaque leaves" if traced.path == "fx" else traced.path)
+            else:
+                traced, checked = _checked_capture(model, args, kwargs, forced, skip, times)
+            named = traced.inputs(model, args, kwargs)
 
 
 def _real_output(gm: torch.nn.Module, named: dict) -> list:

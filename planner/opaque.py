@@ -146,25 +146,11 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
     """One real run of `measure_opaque`: (cost, fake-able outputs, whether it drew from torch's RNG)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
     with _disable_current_modes(), rng_preserved():
-        flat, spec = tree_flatten((args, kwargs))
-        is_tensor = [isinstance(x, (torch.Tensor, _Arg)) for x in flat]
-        if example is not None and len(example) == len(flat):
-            real = [e.detach().clone().requires_grad_(x.requires_grad) if t else x
-                    for e, x, t in zip(example, flat, is_tensor)]
-        else:
-            real = [_real_like(x) if t else x for x, t in zip(flat, is_tensor)]
-        # in a step its inputs come out of other ops: their gradients from several uses are summed by
-        # autograd into a new tensor, not accumulated into a leaf's .grad in place; so are these
-        real = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in real]
-        r_args, r_kwargs = tree_unflatten(real, spec)
+        r_args, r_kwargs, inputs = _real_call(args, kwargs, example)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
-        inputs = [x for x, t in zip(real, is_tensor) if t]
-        # the layout of the grad it makes for each input: the step hands that on upstream
-        in_strides: list = [None] * len(inputs)
-        for k, x in enumerate(inputs):
-            if x.requires_grad:
-                x.register_hook(lambda g, k=k: in_strides.__setitem__(k, tuple(g.stride())))
+        in_strides = _grad_layouts(inputs)
         packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
+
         def pack(t):
             p = unlinked(t)
             packed.append((weakref.ref(p), weakref.ref(t.untyped_storage())))
@@ -183,7 +169,6 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
                 out = module(*r_args, **r_kwargs)
             torch_rng = (torch_rng, torch.random.get_rng_state())   # compared after the meter: it would count them
-
             writes_state = versions != attribute_versions(module)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
@@ -191,37 +176,70 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             # in forward, `delta.norm() < tol`, held its saved tensors only while it ran); the inputs
             # and outputs it still saves, the stand-in holds (saved by it)
             held = max(0, live.live_bytes - start - out_bytes)
-            saved = [st() for ref, st in packed if ref() is not None]
-            saved_inputs = [i for i, x in enumerate(inputs) if any(x.untyped_storage() is st for st in saved)]
-            saved_outputs = tuple(k for k, t in enumerate(outs) if any(t.untyped_storage() is st for st in saved))
-            del saved
+            saved_inputs, saved_outputs = _still_saved(packed, inputs, outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
-            grads = [t for t in outs if t.requires_grad]
-            strides = list(grad_strides) if grad_strides is not None else \
-                [make_contiguous_strides_for(t.shape) for t in grads]
-            seed = torch.zeros(())
-            root = _Seeds.apply(strides, *grads) if grads else None
-            live.reset_peak()
-            # the backward's peak above what it starts with: saved tensors and the outputs' grads, which
-            # autograd makes (_Seeds) and frees once used, as the step's backward hands them over
-            before_bwd = live.live_bytes + sum(compute_required_storage_length(t.shape, st, 0) * t.element_size()
-                                               for t, st in zip(grads, strides))
-            if grads:
-                torch.autograd.backward(root, seed)
-            del root
-            bwd_extra = max(0, live.peak_bytes - before_bwd)
+            bwd_extra = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides)
             # the casts of its weights that autocast caches (and a recompute reuses) live until autocast
             # exits, after the step's backward: the stand-in makes them first and holds them to the
             # step's end (`step_held`), apart from what it holds until its backward
             cast_bytes = casts.alive_bytes()
             held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
-        drew_torch = not torch.equal(*torch_rng)
-        cost = OpaqueCost(fc.get_total_flops(), tuple(saved_inputs), held,
-                          fwd_extra, bwd_extra, drawn[0], writes_state, saved_outputs, cast_bytes,
-                          tuple(in_strides))
+        cost = OpaqueCost(fc.get_total_flops(), saved_inputs, held, fwd_extra, bwd_extra, drawn[0], writes_state,
+                          saved_outputs, cast_bytes, tuple(in_strides))
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
                           else t, out)
+        drew_torch = not torch.equal(*torch_rng)
     return cost, shapes, drew_torch
+
+
+def _real_call(args, kwargs, example) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Real (args, kwargs) for a call like (args, kwargs), made from `example` (the module's real
+    inputs, cloned) or synthetic; and its tensor inputs."""
+    flat, spec = tree_flatten((args, kwargs))
+    is_tensor = [isinstance(x, (torch.Tensor, _Arg)) for x in flat]
+    if example is not None and len(example) == len(flat):
+        real = [e.detach().clone().requires_grad_(x.requires_grad) if t else x
+                for e, x, t in zip(example, flat, is_tensor)]
+    else:
+        real = [_real_like(x) if t else x for x, t in zip(flat, is_tensor)]
+    # in a step its inputs come out of other ops: their gradients from several uses are summed by
+    # autograd into a new tensor, not accumulated into a leaf's .grad in place; so are these
+    real = [x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in real]
+    r_args, r_kwargs = tree_unflatten(real, spec)
+    return r_args, r_kwargs, [x for x, t in zip(real, is_tensor) if t]
+
+
+def _grad_layouts(inputs: list[torch.Tensor]) -> list:
+    """Filled in backward: the layout (strides) of the grad the module makes for each input (None:
+    none), which the step hands on upstream."""
+    strides: list = [None] * len(inputs)
+    for k, x in enumerate(inputs):
+        if x.requires_grad:
+            x.register_hook(lambda g, k=k: strides.__setitem__(k, tuple(g.stride())))
+    return strides
+
+
+def _still_saved(packed: list, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[tuple, tuple]:
+    """Positions of the inputs and of the outputs whose storage autograd still saves."""
+    saved = [st() for ref, st in packed if ref() is not None]
+    ins = tuple(i for i, x in enumerate(inputs) if any(x.untyped_storage() is st for st in saved))
+    outs_saved = tuple(k for k, t in enumerate(outs) if any(t.untyped_storage() is st for st in saved))
+    return ins, outs_saved
+
+
+def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides) -> int:
+    """The backward's peak above what it starts with: saved tensors and the outputs' grads, which
+    autograd makes (_Seeds) and frees once used, as the step's backward hands them over."""
+    strides = list(grad_strides) if grad_strides is not None else [make_contiguous_strides_for(t.shape) for t in grads]
+    seed = torch.zeros(())
+    root = _Seeds.apply(strides, *grads) if grads else None
+    live.reset_peak()
+    before = live.live_bytes + sum(compute_required_storage_length(t.shape, st, 0) * t.element_size()
+                                   for t, st in zip(grads, strides))
+    if grads:
+        torch.autograd.backward(root, seed)
+    del root
+    return max(0, live.peak_bytes - before)
 
 
 class _Casts(TorchDispatchMode):

@@ -343,29 +343,45 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, .
             continue
         if i in region_at:
             k, r = region_at[i]
-            body = nodes[r.start:r.end + 1]
-            saved = {names[j] for j in r.saved}
-            sub, inputs, outputs = _region_graph(body, saved)
-            sub_gm = fx.GraphModule(gm, sub, f"Region{k}")
             name = f"remat_region_{k}"
-            buffers = {id(b) for b in gm.buffers()}
-            buffer_args = tuple(j for j, a in enumerate(inputs) if a.op == "get_attr"
-                                and id(functools.reduce(getattr, a.target.split("."), gm)) in buffers)
-            rewound = tuple(j for j in buffer_args if rewind(inputs[j].target))
-            _refuse_opaque_kept(opaque, body, saved)
-            region_modules[name] = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved),
-                                             _region_state(gm, body, rewind), buffer_args, rewound,
-                                             frozenset(meta.get("deterministic_ops", ())))
-            for a in inputs:
-                if a.op == "get_attr" and a not in env:
-                    env[a] = graph.get_attr(a.target)
-            call = graph.call_module(name, tuple(env[a] for a in inputs))
-            for j, o in enumerate(outputs):
-                env[o] = graph.call_function(operator.getitem, (call, j))
+            region_modules[name] = _region_call(graph, env, gm, nodes[r.start:r.end + 1], r, names, name, rewind,
+                                                meta, opaque)
             skip_until = r.end
             continue
         if n not in env:
             env[n] = graph.node_copy(n, lambda a: env[a])
+    out = _assembled(graph, gm, model, region_modules)
+    _check(out, regions, node_names)
+    return out
+
+
+def _region_call(graph: fx.Graph, env: dict, gm: fx.GraphModule, body: list[fx.Node], r: Region, names: list[str],
+                 name: str, rewind, meta: dict, opaque: tuple[str, ...]) -> "CheckpointRegion":
+    """Region `r` (its nodes `body`) as a CheckpointRegion called `name` from `graph`; its outputs
+    are bound in `env`. Returns the region module."""
+    saved = {names[j] for j in r.saved}
+    sub, inputs, outputs = _region_graph(body, saved)
+    sub_gm = fx.GraphModule(gm, sub, f"Region{name.rsplit('_', 1)[-1]}")
+    buffers = {id(b) for b in gm.buffers()}
+    buffer_args = tuple(j for j, a in enumerate(inputs) if a.op == "get_attr"
+                        and id(functools.reduce(getattr, a.target.split("."), gm)) in buffers)
+    rewound = tuple(j for j in buffer_args if rewind(inputs[j].target))
+    _refuse_opaque_kept(opaque, body, saved)
+    module = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved), _region_state(gm, body, rewind),
+                              buffer_args, rewound, frozenset(meta.get("deterministic_ops", ())))
+    for a in inputs:
+        if a.op == "get_attr" and a not in env:
+            env[a] = graph.get_attr(a.target)
+    call = graph.call_module(name, tuple(env[a] for a in inputs))
+    for j, o in enumerate(outputs):
+        env[o] = graph.call_function(operator.getitem, (call, j))
+    return module
+
+
+def _assembled(graph: fx.Graph, gm: fx.GraphModule, model: torch.nn.Module,
+               region_modules: dict[str, "CheckpointRegion"]) -> fx.GraphModule:
+    """The rewritten graph as a GraphModule holding `model`'s own children, the regions, and the
+    graph-only modules of `gm`, in `model`'s mode."""
     _own_constants(graph, gm, model)
     graph.lint()
     root: dict = dict(region_modules)
@@ -380,7 +396,6 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, .
         if not hasattr(out, name):
             out.add_module(name, mod)
     out.train(model.training)
-    _check(out, regions, node_names)
     return out
 
 
