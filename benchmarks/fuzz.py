@@ -13,19 +13,40 @@ budget fraction and bf16 autocast or not (around planning and each step's forwar
 its backward or not), and whether it is first asked for half its smallest feasible budget (then
 planned at the floor the InfeasibleBudgetError names). Everything is drawn from the seed alone.
 
+Drawn last, from a stream of their own (a seed without them is the model it was), the constructs
+of issue 42 (EXTRA, each with its probability EXTRA_P): a loss that reads the model's weights
+(the model returns hidden states, the loss applies `model.head.weight` itself: F.linear and a
+reduction, the head tied to the embedding or untied, in one piece or chunked under the user's own
+torch.utils.checkpoint, reentrant or not, as fused linear-cross-entropy losses do; 0.12); blocks
+that store an auxiliary loss on themselves in forward (`self.aux_loss = ...`: a router's
+load-balancing loss or z-loss), which the loss adds from the model's modules (0.12); a gradient
+penalty by the float input (`autograd.grad(out.sum(), x, create_graph=True)`, the loss closing
+over the input; dropped where the unwrapped model cannot take a double backward; 0.10); blocks
+rebinding a plain tensor attribute in forward (`self.freqs = self.freqs.to(x.device)`, as Meta's
+Llama does), then a Python branch on a size or not (0.12); and a GCN on a sparse COO adjacency, a
+case of its own (0.04). Each model's loss reads its own modules and inputs (`Case.loss`).
+
 `check_case(case)` plans the budget (between the smallest feasible and the unplanned peak),
 wraps a deep copy with `runtime.plan_and_wrap`, and runs two training steps (SGD between them)
 on it and on the unwrapped oracle with the same torch seed and autocast: loss, outputs, gradients,
 parameters, buffers and the CPU RNG state must be bitwise equal; planning must not change the
 user's model or the RNG; the measured peak of the first wrapped step must be within the budget
 and the plan's prediction in [measured, 1.05 x measured] (with backward after the autocast block,
-in [measured, budget]: the plan is for backward inside it, which holds autocast's weight casts). It returns failures as
+in [measured, budget]: the plan is for backward inside it, which holds autocast's weight casts);
+the input's gradient and each module's stored aux loss must match too, and after planning no
+FakeTensor or fx Proxy may be left in a parameter's .grad, a buffer or a module attribute, each
+rebound attribute must be the very tensor it held before, and no example input may hold a .grad.
+A sparse case passes when planning raises exactly remat.InputLayoutError naming the adjacency
+and leaves the model (it still trains as its copy does) and the RNG as they were. It returns failures as
 "kind: detail" strings (an empty list is a pass).
 
     python benchmarks/fuzz.py --n 1000 [--start 0] [--out benchmarks/results/DATE-fuzz.md]
     python benchmarks/fuzz.py --seed 123 -v          # one case: the model and every number
     python benchmarks/fuzz.py --n 200 --autocast step  # every case under bf16 autocast
     python benchmarks/fuzz.py --n 200 --below-floor    # every case asked below its floor first
+    python benchmarks/fuzz.py --n 200 --extra aux_loss,rebind   # every case with these EXTRA constructs
+    python benchmarks/fuzz.py --n 200 --start S --log /tmp/S.jsonl   # one JSON line per case
+    python benchmarks/fuzz.py --combine /tmp/*.jsonl --out benchmarks/results/fuzz.md   # batches, one file
 """
 from __future__ import annotations
 
@@ -34,6 +55,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 import os
 import random
@@ -46,11 +68,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
+from remat.planner.errors import TraceError  # noqa: E402
 from remat.runtime import plan_and_wrap  # noqa: E402
 from remat.runtime.measure import peak_memory  # noqa: E402
 from remat.runtime.measure import training_loss  # noqa: E402
@@ -511,10 +535,89 @@ class UserCheckpoint(nn.Module):
         return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
+class AuxLoss(nn.Module):
+    """A block that stores an auxiliary loss on itself in forward (a mixture-of-experts router's
+    load-balancing loss, or a router z-loss): `self.aux_loss = <scalar from activations>`; the
+    case's loss adds `sum(m.aux_loss ...)` read from the model's modules."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam, self.variant = fam, r.choice(("balance", "z_loss"))
+        self.n_experts = r.choice((2, 3, 4))
+        self.gate = nn.Linear(d, self.n_experts)
+        self.experts = nn.ModuleList(_lin(fam, d) for _ in range(self.n_experts))
+        self.aux_loss = None
+
+    def forward(self, x):
+        feats = x.mean(dim=(2, 3)) if self.fam == "img" else x        # img: one routing per image
+        logits = self.gate(feats)
+        p = logits.softmax(-1)
+        if self.variant == "balance":
+            self.aux_loss = self.n_experts * (p.reshape(-1, self.n_experts).mean(0) ** 2).sum()
+        else:
+            self.aux_loss = logits.logsumexp(-1).square().mean()
+        if self.fam == "img":
+            p = p[:, :, None, None, None]                             # (B, E, 1, 1, 1) against (B, C, H, W)
+            return x + sum(p[:, i] * e(x) for i, e in enumerate(self.experts))
+        return x + sum(p[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+
+class Rebind(nn.Module):
+    """A plain tensor attribute (not a buffer) rebound to a copy of itself in forward, as Meta's
+    Llama does with freqs_cis (`self.freqs = self.freqs.to(x.device)`), then read; with `branch`,
+    a Python branch on a size follows (fx cannot follow it: torch.export is used)."""
+
+    def __init__(self, r, fam, d):
+        super().__init__()
+        self.fam, self.branch = fam, r.random() < 0.5
+        self.variant = "branch" if self.branch else "plain"
+        self.lin, self.act = _lin(fam, d), r.choice(ACTS)
+        self.freqs = torch.randn({"seq": (16, d), "img": (d, 1, 1), "flat": (d,)}[fam])
+
+    def _f(self, x):
+        return self.freqs[: x.shape[1]] if self.fam == "seq" else self.freqs
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.freqs = self.freqs.to(x.device)
+        if self.branch:
+            if x.shape[1] > 1:
+                h = h + self._f(x)
+            else:
+                h = h - self._f(x)
+        else:
+            h = h * self._f(x).sigmoid()
+        return x + _act(self.act, h)
+
+
+class FuzzGCN(nn.Module):
+    """Graph convolutions over a sparse COO adjacency (nodes are the batch): remat refuses the
+    sparse input by name (InputLayoutError) before it captures anything."""
+
+    def __init__(self, r, din, d, n_out):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(din if i == 0 else d, d) for i in range(r.randint(1, 3)))
+        self.norm = nn.LayerNorm(d) if r.random() < 0.5 else None
+        self.drop = nn.Dropout(0.1) if r.random() < 0.5 else None
+        self.head = nn.Linear(d, n_out)
+        self.act = r.choice(ACTS)
+
+    def forward(self, x, adj):
+        h = x
+        for lin in self.layers:
+            h = _act(self.act, torch.sparse.mm(adj, lin(h)))
+            if self.drop is not None:
+                h = self.drop(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.head(h)
+
+
 BLOCKS = {"mlp": Mlp, "norm": Norm, "conv": Conv, "sdpa": SdpaAttention, "attn": ManualAttention,
           "branch": Branch, "inplace": InPlace, "views": Views, "ema": Ema, "hooked": Hooked,
           "tied": Tied, "shape_branch": ShapeBranch, "custom_fn": CustomFn, "stop_grad": StopGrad,
-          "hooked_block": HookedBlock, "user_ckpt": UserCheckpoint, "inplace_view": InPlaceView}
+          "hooked_block": HookedBlock, "user_ckpt": UserCheckpoint, "inplace_view": InPlaceView,
+          "aux_loss": AuxLoss, "rebind": Rebind}
 # what a capture can lose, and in-place ops on views (issue 21)
 CAPTURE = ("custom_fn", "stop_grad", "hooked_block", "user_ckpt", "inplace_view")
 FAMILY_BLOCKS = {
@@ -531,6 +634,8 @@ CAPTURE_P = 0.5
 
 
 class FuzzNet(nn.Module):
+    head_in_loss = False        # the forward stops before the head; the loss applies model.head.weight
+
     def __init__(self, r: random.Random, fam: str, d: int, din: int, vocab: int | None, n_out: int,
                  blocks: list[str], output: str, use_mask: bool, use_temperature: bool, mask_at: int,
                  tie_head: bool):
@@ -558,9 +663,12 @@ class FuzzNet(nn.Module):
         if self.final_norm is not None:
             h = self.final_norm(h)
         pooled = h.mean(dim=(2, 3)) if self.fam == "img" else h
-        out = self.head(pooled)
-        if self.use_temperature:
-            out = out / temperature
+        if self.head_in_loss:
+            out = pooled                            # hidden states: the loss applies the head
+        else:
+            out = self.head(pooled)
+            if self.use_temperature:
+                out = out / temperature
         if self.output == "tuple":
             return out, h
         if self.output == "dict":
@@ -583,9 +691,18 @@ class Case:
     autocast: str | None = None       # bf16 autocast around planning and each step's forward and
                                       # loss, and its backward too ("step") or not ("forward")
     below_floor: bool = False         # asked for half the smallest feasible budget first
+    # the loss of one model on one step's inputs, where it reads the model (its head's weight, its
+    # modules' aux losses) or the inputs (a gradient by them); None: `loss_fn` for every model
+    loss_of: Callable[[nn.Module, tuple, dict], Callable] | None = None
+    extra: list[str] = field(default_factory=list)    # the EXTRA constructs this case has
+    expect: str | None = None         # the typed error planning must raise (a sparse input's)
 
     def summary(self) -> str:
         return " ".join(self.features)
+
+    def loss(self, model: nn.Module, args: tuple, kwargs: dict) -> Callable | None:
+        """The loss_fn of one model's step on `args`, `kwargs` (each model's loss reads its own modules)."""
+        return self.loss_fn if self.loss_of is None else self.loss_of(model, args, kwargs)
 
 
 def _main(out):
@@ -616,16 +733,67 @@ def _loss_ce(y, aux):
     return loss_fn
 
 
+def _make_loss_of(base: Callable | None, target: torch.Tensor | None, ce: bool, hidden_aux: bool,
+                  weight: dict | None, aux_modules: bool, penalty: float | None) -> Callable:
+    """`loss_of(model, args, kwargs)` for the EXTRA constructs: `base` the case's own loss (None:
+    the default), or with `weight` ({"chunks": n, "checkpoint": "none" | "reentrant" |
+    "non-reentrant"}) a loss that applies `model.head` itself (F.linear, then cross-entropy or MSE
+    against `target`, chunk by chunk under the user's torch.utils.checkpoint when asked, as fused
+    linear-cross-entropy losses do); plus the aux losses the model's AuxLoss modules stored, and a
+    gradient penalty `penalty * |d out.sum() / d x|^2` by the first input (create_graph=True)."""
+
+    def loss_of(model, args, kwargs):
+        x = args[0]
+
+        def head_loss(h, t, reduction="mean"):
+            logits = F.linear(h, model.head.weight, model.head.bias)   # read at each call, as the user's code does
+            if ce:
+                return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction=reduction)
+            return F.mse_loss(logits, t, reduction=reduction)
+
+        def loss_fn(out):
+            main, hidden = _main(out)
+            if weight is None:
+                loss = training_loss(out, base)
+            elif weight["chunks"] == 1:
+                loss = head_loss(main, target)
+            else:
+                parts = [head_loss(h, t, "sum") if weight["checkpoint"] == "none" else
+                         torch.utils.checkpoint.checkpoint(head_loss, h, t, "sum",
+                                                           use_reentrant=weight["checkpoint"] == "reentrant")
+                         for h, t in zip(main.chunk(weight["chunks"]), target.chunk(weight["chunks"]))]
+                loss = sum(parts) / target.numel()       # the mean over tokens (CE) or elements (MSE)
+            if weight is not None and hidden_aux and hidden is not None:
+                loss = loss + 0.01 * hidden.pow(2).mean()
+            if aux_modules:
+                loss = loss + 0.1 * sum(m.aux_loss for m in model.modules() if isinstance(m, AuxLoss))
+            if penalty is not None:
+                g, = torch.autograd.grad(main.sum(), x, create_graph=True)
+                loss = loss + penalty * g.float().square().mean()
+            return loss
+        return loss_fn
+    return loss_of
+
+
 AUTOCAST = ("step", "forward")
 DRAWN = "drawn"
+# The constructs of issue 42 (item 7), drawn after everything else from a stream of their own
+# (a seed without them is the model it was), each with its probability: a loss that applies the
+# model's head weight itself; blocks that store an aux loss the loss reads from the modules; a
+# gradient penalty by the (float) input; a block rebinding a plain tensor attribute in forward;
+# a GCN on a sparse COO adjacency (a case of its own: InputLayoutError expected).
+EXTRA_P = {"weight_loss": 0.12, "aux_loss": 0.12, "input_grad_loss": 0.10, "rebind": 0.12, "sparse": 0.04}
+EXTRA = tuple(EXTRA_P)
 
 
 def make_case(seed: int, autocast: str | None = DRAWN, below_floor: bool | None = None,
-              capture: bool | None = None) -> Case:
+              capture: bool | None = None, extra: bool | str | tuple | None = None) -> Case:
     """A random small model, inputs, mode, loss, budget fraction, autocast and whether to ask below
     the floor first: a function of `seed` alone (`autocast`: None or one of AUTOCAST, and
     `below_floor`, when given, instead of the drawn ones; `capture`: True or False to insert
-    CAPTURE blocks or not, instead of the drawn choice)."""
+    CAPTURE blocks or not, instead of the drawn choice; `extra`: False for none of the EXTRA
+    constructs, or the names of those to add (a string, comma-separated, or a tuple), instead of
+    the drawn ones)."""
     r = random.Random(seed)
     fam = r.choice(("seq", "seq", "img", "flat"))
     d = r.choice((8, 16, 32, 64)) if fam != "img" else r.choice((4, 8, 16))
@@ -728,7 +896,120 @@ def make_case(seed: int, autocast: str | None = DRAWN, below_floor: bool | None 
         features.append("below-floor")
     if capture is not False:
         features += _add_capture_blocks(seed, model, fam, d, blocks, force=capture is True)
-    return Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features, hold_output, autocast, below_floor)
+    case = Case(seed, model, (x,), kwargs, target, loss_fn, mode, u, features, hold_output, autocast, below_floor)
+    if extra is not False:
+        case = _add_extra(case, extra, fam=fam, d=d, b=b, din=din, blocks=blocks, tokens=tokens, vocab=vocab,
+                          n_out=n_out, tie_head=tie_head, out_shape=out_shape, aux=aux)
+    return case
+
+
+def _add_extra(case: Case, force, *, fam, d, b, din, blocks, tokens, vocab, n_out, tie_head, out_shape,
+               aux) -> Case:
+    """The EXTRA constructs, each with its EXTRA_P (or those `force` names), drawn and initialised
+    from streams of their own; `case` changed in place (or a sparse case instead), returned."""
+    seed = case.seed
+    r = random.Random(f"extra-{seed}")
+    draws = {k: r.random() < p for k, p in EXTRA_P.items()}
+    if force is not None:
+        names = set(force.split(",")) if isinstance(force, str) else set(force)
+        assert names <= set(EXTRA), names
+        draws = {k: k in names for k in EXTRA}
+    gen = torch.Generator().manual_seed(10**7 + seed)
+    if draws["sparse"]:
+        return _sparse_case(case, r, gen, din, d, n_out)
+    model, added = case.model, []
+    if draws["rebind"]:
+        for j in range(r.randint(1, 2)):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(2 * 10**6 + 97 * seed + j)
+                blk = Rebind(r, fam, d).train(model.training)
+            at = r.randint(0, len(model.blocks))
+            model.blocks.insert(at, blk)
+            blocks.insert(at, "rebind")
+            added.append(f"rebind@{at}:{blk.variant}")
+    if draws["aux_loss"]:
+        for j in range(r.randint(1, 2)):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(3 * 10**6 + 97 * seed + j)
+                blk = AuxLoss(r, fam, d).train(model.training)
+            at = r.randint(0, len(model.blocks))
+            model.blocks.insert(at, blk)
+            blocks.insert(at, "aux_loss")
+            added.append(f"aux_loss@{at}:{blk.variant}")
+    weight = None
+    ce = case.loss_fn is not None and case.target is not None and not case.target.is_floating_point()
+    if draws["weight_loss"]:
+        tie = tie_head
+        if tokens and n_out == vocab and not tie_head and r.random() < 0.5:
+            model.head.weight = model.stem.weight       # tied for this loss: the embedding read by model and loss
+            tie = True
+        weight = {"chunks": r.choice((1, 2, 2)), "checkpoint": r.choice(("none", "non-reentrant", "reentrant"))}
+        if weight["chunks"] == 1:
+            weight["checkpoint"] = "none"
+        model.head_in_loss = True
+        if case.target is None:                         # the default loss: a target of its own
+            ce = tokens and n_out == vocab and r.random() < 0.7
+            case.target = torch.randint(0, n_out, out_shape[:-1], generator=gen) if ce else \
+                torch.randn(out_shape, generator=gen)
+        added.append(f"weight_loss:{'tied' if tie else 'untied'},chunks={weight['chunks']},{weight['checkpoint']}")
+    penalty = None
+    if draws["input_grad_loss"] and not tokens:
+        penalty = r.choice((0.1, 1.0))
+        case.args[0].requires_grad_(True)
+        if "input-grad" not in case.features:
+            case.features.append("input-grad")
+        added.append(f"input_grad_loss:{penalty}")
+    if not added:
+        return case
+    case.extra = sorted({a.split("@")[0].split(":")[0] for a in added})
+    case.loss_of = _make_loss_of(case.loss_fn, case.target, ce, aux, weight, draws["aux_loss"], penalty)
+    if penalty is not None:
+        err = _probe(case)
+        if err:          # the unwrapped model cannot take a double backward (a reentrant checkpoint, an op)
+            penalty = None
+            case.extra.remove("input_grad_loss")
+            added = [a for a in added if not a.startswith("input_grad_loss")] + [f"no-input_grad_loss({err})"]
+            case.loss_of = _make_loss_of(case.loss_fn, case.target, ce, aux, weight, draws["aux_loss"], None) \
+                if case.extra else None
+    case.features.append("extra=" + ";".join(added))
+    return case
+
+
+def _probe(case: Case) -> str | None:
+    """Why a step of the unwrapped model under the case's loss fails (an exception's name), or None."""
+    model = copy.deepcopy(case.model).train()
+    args, kwargs = _clone_inputs((case.args, case.kwargs))
+    try:
+        with torch.random.fork_rng(devices=[]), _autocast(case):
+            training_loss(model(*args, **kwargs), case.loss(model, args, kwargs)).backward()
+    except Exception as e:          # noqa: BLE001 (the case is drawn without it)
+        return type(e).__name__
+    return None
+
+
+def _sparse_case(case: Case, r: random.Random, gen: torch.Generator, din: int, d: int, n_out: int) -> Case:
+    """A graph convolution over a sparse COO adjacency instead of the drawn model: planning must
+    raise InputLayoutError naming the adjacency, and leave the model and the RNG as they were."""
+    n = r.randint(8, 64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4 * 10**6 + case.seed)
+        model = FuzzGCN(r, din, d, n_out)
+    edges = r.randint(n, 4 * n)
+    idx = torch.randint(0, n, (2, edges), generator=gen)
+    adj = torch.sparse_coo_tensor(idx, torch.rand(edges, generator=gen), (n, n), check_invariants=True)
+    coalesced = r.random() < 0.7
+    if coalesced:
+        adj = adj.coalesce()
+    x = torch.randn(n, din, generator=gen)
+    as_kwarg = r.random() < 0.5
+    args, kwargs = ((x,), {"adj": adj}) if as_kwarg else ((x, adj), {})
+    target = torch.randn(n, n_out, generator=gen)
+    if case.mode == "eval->train":
+        model.eval()
+    features = [f"sparse-gcn(n={n},edges={edges},layers={len(model.layers)})", f"mode={case.mode}",
+                f"adj={'kwarg' if as_kwarg else 'positional'},{'coalesced' if coalesced else 'uncoalesced'}"]
+    return Case(case.seed, model, args, kwargs, target, _loss_mse(target, False), case.mode, case.u, features,
+                case.hold_output, None, False, extra=["sparse"], expect="InputLayoutError")
 
 
 def _add_capture_blocks(seed: int, model: "FuzzNet", fam: str, d: int, blocks: list[str], force: bool) -> list[str]:
@@ -800,11 +1081,18 @@ def budgets(case: Case) -> tuple[int, int, int]:
     for one byte (NOTE [ one floor ] in planner/fit.py: a replayed peak, met when typed back)."""
     opts = options(case)
     kw = {"keep_output": True} if _KEEP_OUTPUT_OPTION and case.hold_output else {}
-    a = analyze(copy.deepcopy(case.model), case.args, case.kwargs, case.loss_fn, **kw)
-    unplanned = solve_plan(a.cost_graph, 10**15, opts).predicted_peak_bytes
+    m = copy.deepcopy(case.model)
     try:
-        p = plan_and_wrap(copy.deepcopy(case.model), 1e-9, example_inputs=case.args, example_kwargs=case.kwargs,
-                          loss_fn=case.loss_fn, options=opts).remat.plan
+        a = analyze(m, case.args, case.kwargs, case.loss(m, case.args, case.kwargs), **kw)
+        unplanned = solve_plan(a.cost_graph, 10**15, opts).predicted_peak_bytes
+    except TraceError:      # no graph (aux losses stored on modules, exported): plan_and_wrap plans the module tree
+        m = copy.deepcopy(case.model)
+        unplanned = plan_and_wrap(m, 10**6, example_inputs=case.args, example_kwargs=case.kwargs,
+                                  loss_fn=case.loss(m, case.args, case.kwargs), options=opts).remat.plan.predicted_peak_bytes
+    try:
+        m = copy.deepcopy(case.model)
+        p = plan_and_wrap(m, 1e-9, example_inputs=case.args, example_kwargs=case.kwargs,
+                          loss_fn=case.loss(m, case.args, case.kwargs), options=opts).remat.plan
         min_feasible = p.predicted_peak_bytes
     except InfeasibleBudgetError as e:
         min_feasible = e.min_feasible_bytes
@@ -823,9 +1111,70 @@ def check_case(case: Case, verbose: bool = False, info: dict | None = None) -> l
                 f" [{info.get('stage', '?')}] :: {tail[-600:]}"]
 
 
+def _tracer_values(model: nn.Module) -> list[str]:
+    """Where a tracer's value (a FakeTensor, an fx Proxy) is left in what the user holds: a
+    parameter's grad, a buffer, any attribute of a module (its parameter and buffer dicts too)."""
+    bad_type = (FakeTensor, torch.fx.Proxy)
+    found = [f"{n}.grad" for n, p in model.named_parameters() if isinstance(p.grad, bad_type)]
+    for name, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            values = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+            found += [f"{name or 'model'}.{k}" for x in values if isinstance(x, bad_type)]
+    return found
+
+
+def _rebound(model: nn.Module) -> dict:
+    """The tensor each Rebind block's plain attribute holds, by module name."""
+    return {n: m.freqs for n, m in model.named_modules() if isinstance(m, Rebind)}
+
+
+def _check_expected_error(case: Case, log) -> list[str]:
+    """A case planning must refuse with `case.expect` (a sparse input): exactly that error, naming
+    the input, and the model, its outputs and the RNG as they were."""
+    fails = []
+    model, oracle = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    before, rng_before = _state(model), torch.get_rng_state()
+    budget = random.Random(f"expect-{case.seed}").choice(("50%", 1.0, 1e-9))
+    try:
+        plan_and_wrap(model, budget, example_inputs=case.args, example_kwargs=case.kwargs,
+                      loss_fn=case.loss(model, case.args, case.kwargs), options=options(case))
+        fails.append(f"expected-error/none: plan_and_wrap planned a model it should refuse with {case.expect}")
+    except Exception as e:  # noqa: BLE001
+        log(f"raised {type(e).__name__}: {e}")
+        if type(e).__name__ != case.expect:
+            tail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-2:]).strip().replace("\n", " | ")
+            fails.append(f"expected-error/other: {type(e).__name__} instead of {case.expect}: "
+                         f"{str(e).strip()[:200]} :: {tail[-400:]}")
+        elif "adj" not in getattr(e, "name", ""):
+            fails.append(f"expected-error/unnamed: {case.expect} names {getattr(e, 'name', None)!r}, not the adjacency")
+    if not torch.equal(rng_before, torch.get_rng_state()):
+        fails.append("planning/rng: plan_and_wrap advanced the global torch RNG")
+    after = _state(model)
+    changed = [k for k in before if not _same(before[k], after[k])]
+    if changed:
+        fails.append(f"planning/changed-model: {', '.join(changed[:4])}")
+    if hasattr(model, "remat"):
+        fails.append("planning/changed-model: the refused model has a .remat")
+    if _tracer_values(model):
+        fails.append(f"planning/tracer-left: {', '.join(_tracer_values(model)[:4])}")
+    model.train(), oracle.train()
+    res = []
+    for m in (oracle, model):                  # the model as it was: unwrapped, it trains as before
+        torch.manual_seed(case.seed)
+        loss = case.loss_fn(m(*case.args, **case.kwargs))
+        loss.backward()
+        res.append((loss.detach(), [p.grad for p in m.parameters()]))
+    if not _same(res[0][0], res[1][0]) or not all(_same(a, b) for a, b in zip(res[0][1], res[1][1])):
+        fails.append("mismatch/after-refusal: the refused model trains differently from its copy")
+    return fails
+
+
 def _check(case: Case, verbose: bool, info: dict) -> list[str]:
     fails: list[str] = []
     log = print if verbose else (lambda *a, **k: None)
+    if case.expect:
+        info["stage"] = "expected error"
+        return _check_expected_error(case, log)
     oracle = copy.deepcopy(case.model)              # taken before anything touches the model
     model = copy.deepcopy(case.model)               # the user's model, to be wrapped
     info["stage"] = "budget"
@@ -838,9 +1187,11 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
     if case.below_floor:
         info["stage"] = "below the floor"
         try:        # every known plan is replayed for the floor; the one it names must then be met
+            m = copy.deepcopy(model)
             with _autocast(case):
-                plan_and_wrap(copy.deepcopy(model), min_feasible / 2e9, example_inputs=case.args,
-                              example_kwargs=case.kwargs, loss_fn=case.loss_fn, options=options(case))
+                plan_and_wrap(m, min_feasible / 2e9, example_inputs=case.args,
+                              example_kwargs=case.kwargs, loss_fn=case.loss(m, case.args, case.kwargs),
+                              options=options(case))
             budget = min_feasible // 2
         except InfeasibleBudgetError as e:
             budget = e.min_feasible_bytes
@@ -848,12 +1199,16 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
         log(f"below the floor: planned at {budget} B")
 
     info["stage"] = "plan_and_wrap"
+    xs = [t for t in tree_flatten((case.args, case.kwargs))[0] if isinstance(t, torch.Tensor)]
+    for t in xs:
+        t.grad = None                             # what the budget's planning left: only plan_and_wrap's counts
     before = _state(model)
+    rebound = _rebound(model)
     rng_before = torch.get_rng_state()
     try:
         with _autocast(case):
             wrapped = plan_and_wrap(model, budget / 1e9, example_inputs=case.args, example_kwargs=case.kwargs,
-                                    loss_fn=case.loss_fn, options=options(case))
+                                    loss_fn=case.loss(model, case.args, case.kwargs), options=options(case))
     except InfeasibleBudgetError as e:
         info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
         if case.below_floor:
@@ -868,6 +1223,14 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
     if changed:
         fails.append(f"planning/changed-model: plan_and_wrap changed {', '.join(changed[:4])}"
                      f"{' ...' if len(changed) > 4 else ''}")
+    left = _tracer_values(model)
+    if left:
+        fails.append(f"planning/tracer-left: a FakeTensor or Proxy in {', '.join(left[:4])}")
+    moved = [n for n, t in _rebound(model).items() if t is not rebound.get(n)]
+    if moved:
+        fails.append(f"planning/rebound-attribute: {', '.join(moved[:3])}.freqs is not the tensor it held before planning")
+    if any(t.grad is not None for t in xs):
+        fails.append("planning/input-grad-set: planning left a .grad on an example input")
     info["t_plan"] = time.perf_counter() - t0 - info["t_budget"]
     plan = wrapped.remat.plan
     info.update(predicted=plan.predicted_peak_bytes, regions=len(plan.regions),
@@ -898,10 +1261,11 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
         hold = case.hold_output or step == 2      # outputs are compared where the step holds them
 
         def run(m, a, kw, into):
+            loss_fn = case.loss(m, a, kw)            # reads its own model's modules and inputs
             torch.manual_seed(seed)
             with _autocast(case):
                 out = m(*a, **kw) if hold else None
-                loss = training_loss(out if hold else m(*a, **kw), case.loss_fn)
+                loss = training_loss(out if hold else m(*a, **kw), loss_fn)
                 if case.autocast == "step":
                     loss.backward()
             if case.autocast != "step":
@@ -947,6 +1311,12 @@ def _check(case: Case, verbose: bool, info: dict) -> list[str]:
                     (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None
                                                             and _same(a.grad, b.grad))):
                 fails.append(f"mismatch/input-grad: step {step}")
+        aux, aux_ref = ([m.aux_loss for m in mm.modules() if isinstance(m, AuxLoss)] for mm in (model, oracle))
+        if not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same(a.detach(), b.detach())
+                   for a, b in zip(aux, aux_ref)):
+            fails.append(f"mismatch/aux-loss: step {step}: a module's stored aux_loss differs")
+        if _tracer_values(model):
+            fails.append(f"step/tracer-left: step {step}: {', '.join(_tracer_values(model)[:4])}")
         ref_bufs = dict(oracle.named_buffers())
         bad = [(n, _diff(bf, ref_bufs[n])) for n, bf in model.named_buffers() if not _same(bf, ref_bufs[n])]
         if bad:
@@ -970,11 +1340,11 @@ def kind_of(failure: str) -> str:
 
 
 def run_seed(seed: int, verbose: bool = False, autocast: str | None = DRAWN,
-             below_floor: bool | None = None) -> tuple[Case | None, list[str], dict, float]:
+             below_floor: bool | None = None, extra=None) -> tuple[Case | None, list[str], dict, float]:
     t0 = time.perf_counter()
     info: dict = {}
     try:
-        case = make_case(seed, autocast, below_floor)
+        case = make_case(seed, autocast, below_floor, extra=extra)
     except Exception as e:
         return None, [f"exception/make_case-{type(e).__name__}: {e}"], info, time.perf_counter() - t0
     if verbose:
@@ -1000,6 +1370,54 @@ def _commit() -> str:
         return "unknown (not a git checkout)"
 
 
+def combine(logs: list[str], out: str | None) -> int:
+    """One results file from several --log files: cases, seed ranges, per-construct counts,
+    failures with their seeds, the commands and commits."""
+    rows = [json.loads(line) for path in logs for line in open(path) if line.strip()]
+    by_seed = {r["seed"]: r for r in rows}           # a seed run twice: its last run
+    rows = [by_seed[s] for s in sorted(by_seed)]
+    failed = [r for r in rows if r["failures"]]
+    seeds = sorted(by_seed)
+    ranges, start = [], seeds[0] if seeds else None
+    for a, b in zip(seeds, seeds[1:] + [None]):
+        if b != a + 1:
+            ranges.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    secs = sorted(r["seconds"] for r in rows)
+    commands = sorted({"python benchmarks/fuzz.py " + " ".join(a for a in r["argv"]) for r in rows})
+    commits = sorted({r["commit"] for r in rows})
+    lines = ["# Differential fuzz run", "",
+             f"{len(rows)} cases (seeds {', '.join(ranges)}; {sum(bool(r['regions']) for r in rows)} planned with "
+             f"checkpoint regions), passed {len(rows) - len(failed)}, failed {len(failed)}; "
+             f"{sum(secs):.0f} s in all, {sum(secs) / max(len(rows), 1):.2f} s per case "
+             f"(median {secs[len(secs) // 2] if secs else 0:.2f} s), 1 thread, torch {torch.__version__}.", "",
+             "Code at " + "; ".join(commits) + ".", "", "Commands (REMAT_CACHE=0):", ""]
+    lines += [f"    {c}" for c in commands]
+    lines += ["", "## The constructs of issue 42 (item 7)", "",
+              "| construct | probability | cases | failed |", "|---|---|---|---|"]
+    for k in EXTRA:
+        n = [r for r in rows if k in r["extra"]]
+        lines.append(f"| {k} | {EXTRA_P[k]} | {len(n)} | {sum(bool(r['failures']) for r in n)} |")
+    kinds = collections.defaultdict(list)
+    for r in failed:
+        for k in sorted({kind_of(f) for f in r["failures"]}):
+            kinds[k].append(r["seed"])
+    lines += ["", "| failure kind | cases | seeds |", "|---|---|---|"]
+    lines += [f"| {k} | {len(s)} | {', '.join(map(str, s[:40]))}{' ...' if len(s) > 40 else ''} |"
+              for k, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+    lines += ["", "## Failing seeds", ""]
+    for r in failed:
+        lines.append(f"- **{r['seed']}** `{r['summary']}`")
+        lines += [f"  - {f[:500]}" for f in r["failures"]]
+    text = "\n".join(lines) + "\n"
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            fh.write(text)
+    print(text)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=100, help="number of seeds")
@@ -1010,7 +1428,14 @@ def main(argv=None) -> int:
     ap.add_argument("--autocast", choices=AUTOCAST + ("off",),
                     help="every case with this autocast instead of the drawn one (see Case.autocast)")
     ap.add_argument("--below-floor", action="store_true", help="every case asked below its floor first")
+    ap.add_argument("--extra", help="every case with these EXTRA constructs (comma-separated; 'none': without "
+                                    "any) instead of the drawn ones")
+    ap.add_argument("--log", help="append one JSON line per case here (seed, features, failures, seconds)")
+    ap.add_argument("--combine", nargs="+", metavar="LOG", help="write --out from these --log files (no cases run)")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
+    extra = None if args.extra is None else False if args.extra == "none" else args.extra
     torch.set_num_threads(1)              # deterministic kernels, and fair on a shared machine
     import warnings
     warnings.filterwarnings("ignore")
@@ -1020,11 +1445,24 @@ def main(argv=None) -> int:
     by_kind: collections.Counter = collections.Counter()
     seeds_by_kind: dict[str, list[int]] = collections.defaultdict(list)
     times, done, with_regions = [], 0, 0
+    extra_seen: collections.Counter = collections.Counter()
+    extra_failed: collections.Counter = collections.Counter()
+    commit = _commit()
     try:
         for seed in seeds:
             autocast = DRAWN if args.autocast is None else None if args.autocast == "off" else args.autocast
-            case, fails, info, dt = run_seed(seed, args.verbose, autocast, True if args.below_floor else None)
+            case, fails, info, dt = run_seed(seed, args.verbose, autocast, True if args.below_floor else None, extra)
             times.append(dt)
+            for k in (case.extra if case else []):
+                extra_seen[k] += 1
+                extra_failed[k] += bool(fails)
+            if args.log:
+                with open(args.log, "a") as fh:
+                    fh.write(json.dumps({"seed": seed, "summary": case.summary() if case else "?",
+                                         "extra": case.extra if case else [], "failures": fails,
+                                         "regions": info.get("regions"), "seconds": round(dt, 2),
+                                         "argv": argv if argv is not None else sys.argv[1:],
+                                         "commit": commit}) + "\n")
             done += 1
             with_regions += bool(info.get("regions"))
             summary = case.summary() if case else "?"
@@ -1048,6 +1486,7 @@ def main(argv=None) -> int:
     print(tally)
     for k, n in by_kind.most_common():
         print(f"  {k}: {n} cases (smallest seed {min(seeds_by_kind[k])})")
+    print("  EXTRA constructs: " + ", ".join(f"{k} {extra_seen[k]} cases ({extra_failed[k]} failed)" for k in EXTRA))
     if args.out:
         cmd = "python benchmarks/fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:])
         lines = ["# Differential fuzz run", "", f"`{cmd}` (torch {torch.__version__}, "

@@ -9,8 +9,14 @@ tests: they pass once the bug behind each is fixed; they were found without auto
 at their drawn budget only, and run so. MODE_FAILURES were found in the modes named (autocast,
 asked below the floor first). Both predate the capture blocks (custom Functions, grad-mode
 blocks, hooks, the user's checkpoint, in-place ops on views) and run without them
-(`capture=False`): the same models as when found. The failures those blocks found have fixed tests
-of their own in tests/test_capture.py. `python benchmarks/fuzz.py --seed N -v [--autocast step]
+(`capture=False`), and all without the constructs of issue 42 (`extra=False`): the same models as
+when found. The failures those blocks found have fixed tests of their own in tests/test_capture.py.
+
+The constructs of issue 42, item 7 (fuzz.EXTRA: a loss applying the model's head weight, tied or
+untied, chunked under the user's checkpoint or not; aux losses stored on modules; a gradient
+penalty by the input; a plain tensor attribute rebound in forward, with a branch on a size or
+not; a sparse COO input, refused with InputLayoutError) are drawn by seeds of SAMPLE (see
+EXTRA_IN_SAMPLE) and of EXTRA_SEEDS. `python benchmarks/fuzz.py --seed N -v [--autocast step]
 [--below-floor]` shows one case in full.
 """
 import os
@@ -26,6 +32,24 @@ import fuzz  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SAMPLE = list(range(5000, 5020))   # the wider sample: python benchmarks/fuzz.py --n 30 --start 5000
+
+# the EXTRA constructs the SAMPLE's seeds draw (checked by test_the_sample_draws_the_extra_constructs)
+EXTRA_IN_SAMPLE = {
+    5004: "extra=input_grad_loss:1.0",
+    5005: "extra=weight_loss:untied,chunks=1,none",
+    5008: "extra=aux_loss@3:z_loss",
+    5009: "extra=rebind@0:branch;rebind@1:branch;aux_loss@1:balance;aux_loss@1:z_loss",
+    5010: "extra=input_grad_loss:1.0",
+    5012: "extra=weight_loss:tied,chunks=2,reentrant",
+    5013: "extra=weight_loss:untied,chunks=2,non-reentrant",
+}
+# seeds outside SAMPLE for what it lacks: a sparse input (InputLayoutError expected), a rebinding
+# fx follows (no branch), a loss reading the head under the user's reentrant checkpoint, untied
+EXTRA_SEEDS = {
+    54: "sparse-gcn(n=10,edges=38,layers=3) mode=eval->train adj=kwarg,coalesced",
+    30: "extra=rebind@4:plain",
+    103: "extra=weight_loss:untied,chunks=2,reentrant",
+}
 
 # seed: the failure the fuzzer reported (benchmarks/results/*-fuzz*.md has the full run)
 KNOWN_FAILURES = {
@@ -61,26 +85,54 @@ MODE_FAILURES = {
 }
 
 
-def _check(seed: int, autocast=fuzz.DRAWN, below_floor=None, capture=None):
+def _check(seed: int, autocast=fuzz.DRAWN, below_floor=None, capture=None, extra=None):
     with torch.random.fork_rng(devices=[]):
-        case = fuzz.make_case(seed, autocast, below_floor, capture)
+        case = fuzz.make_case(seed, autocast, below_floor, capture, extra)
         failures = fuzz.check_case(case)
     assert not failures, f"seed {seed} [{case.summary()}]:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("seed", SAMPLE)
+# SAMPLE seeds that fail since they draw the EXTRA constructs, each for a remat bug (not the
+# fuzzer's): reproductions and diagnoses in benchmarks/results/fuzz.md; they pass once it is fixed
+SAMPLE_XFAIL = {
+    5004: "memory/under-predicted 20%: a gradient penalty differentiating through opaque leaves (a custom "
+          "autograd.Function, a data-dependent hook) is not in the replay",
+    5009: "planning/changed-model: planned over the module tree (aux losses stored on modules, torch.export taken), "
+          "the real steps that measure each choice advance BatchNorm's running stats and leave a .grad on the input",
+    5010: "exception/CheckpointError: a gradient penalty through a region holding an in-place relu_ on a narrowed "
+          "view (torch's non-reentrant checkpoint unpacks its saved tensor twice in one backward)",
+}
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.xfail(reason=SAMPLE_XFAIL[s], strict=False))
+                                  if s in SAMPLE_XFAIL else s for s in SAMPLE])
 def test_fuzz_sample(seed):
     _check(seed)
 
 
+@pytest.mark.parametrize("seed", sorted(EXTRA_SEEDS))
+def test_fuzz_extra_constructs(seed):
+    _check(seed)
+
+
+def test_the_sample_draws_the_extra_constructs():
+    """Each EXTRA construct is in a seed the tests check (the draws did not move)."""
+    seen = set()
+    for seed, feature in {**EXTRA_IN_SAMPLE, **EXTRA_SEEDS}.items():
+        case = fuzz.make_case(seed)
+        assert feature in case.summary(), (seed, case.summary())
+        seen.update(case.extra)
+    assert seen == set(fuzz.EXTRA)
+
+
 @pytest.mark.parametrize("seed", sorted(KNOWN_FAILURES))
 def test_fuzz_known_failure(seed):
-    _check(seed, None, False, capture=False)
+    _check(seed, None, False, capture=False, extra=False)
 
 
 @pytest.mark.parametrize("seed,autocast,below_floor", sorted(MODE_FAILURES))
 def test_fuzz_known_failure_in_a_mode(seed, autocast, below_floor):
-    _check(seed, autocast, below_floor, capture=False)
+    _check(seed, autocast, below_floor, capture=False, extra=False)
 
 
 def test_cases_are_reproducible_from_the_seed():
@@ -94,7 +146,7 @@ def test_cases_are_reproducible_from_the_seed():
 
 def test_the_checker_catches_a_wrong_model():
     """Not a tautology: a wrapped model that trains differently is reported."""
-    case = fuzz.make_case(1, None, False, capture=False)       # a seed that passes (2 checkpoint regions at HEAD 5ee7ac7)
+    case = fuzz.make_case(1, None, False, capture=False, extra=False)       # a seed that passes (2 checkpoint regions at HEAD 5ee7ac7)
     wrong = fuzz.Case(case.seed, case.model, case.args, case.kwargs, case.target, case.loss_fn,
                       case.mode, case.u, case.features)
     import remat
@@ -112,3 +164,20 @@ def test_the_checker_catches_a_wrong_model():
         fuzz.plan_and_wrap = real
     kinds = {fuzz.kind_of(f) for f in failures}
     assert "planning/changed-model" in kinds and "mismatch/loss" in kinds, failures
+
+
+def test_the_checker_catches_a_sparse_input_planned_or_refused_otherwise():
+    """A sparse case passes only when planning raises InputLayoutError: a plan_and_wrap that plans
+    it, or raises something else, is reported."""
+    case = fuzz.make_case(54)
+    assert case.expect == "InputLayoutError" and not fuzz.check_case(case)
+    real = fuzz.plan_and_wrap
+
+    def raises(model, *a, **kw):
+        raise ValueError("not the typed error")
+    try:
+        for fake, kind in ((lambda model, *a, **kw: model, "expected-error/none"), (raises, "expected-error/other")):
+            fuzz.plan_and_wrap = fake
+            assert kind in {fuzz.kind_of(f) for f in fuzz.check_case(case)}
+    finally:
+        fuzz.plan_and_wrap = real
