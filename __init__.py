@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .planner.lazy import lazy_exports
+# absolute: pytest imports this file as a package named after the checkout's folder (its rootdir
+# holds an __init__.py), and a relative import would load planner/ a second time under that name
+from remat.planner.lazy import lazy_exports
 
 if TYPE_CHECKING:   # the exports where they are defined, for type checkers and the API reference's griffe
     from .planner.api import analyze, plan

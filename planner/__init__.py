@@ -9,6 +9,11 @@ does not import the torch side.
 """
 from __future__ import annotations
 
+if __name__ != "remat.planner":      # the repository root on sys.path: a second copy of the package
+    raise ImportError(f"remat's planner is `remat.planner`, not {__name__!r}: import remat.planner (the repository "
+                      "root is the package `remat`: pip install -e . from it); a second copy would have "
+                      "classes of its own (its errors not caught as remat's)")
+
 from .lazy import lazy_exports
 
 _EXPORTS = {

@@ -5,6 +5,11 @@ filters before torch is imported.
 """
 from __future__ import annotations
 
+if __name__ != "remat.runtime":      # the repository root on sys.path: a second copy of the package
+    raise ImportError(f"remat's runtime is `remat.runtime`, not {__name__!r}: import remat.runtime (the repository "
+                      "root is the package `remat`: pip install -e . from it); a second copy would have "
+                      "classes of its own (its errors not caught as remat's)")
+
 from remat.planner.lazy import lazy_exports
 
 _EXPORTS = {"plan_and_wrap": "api", "apply": "api", "remove": "api", "Remat": "api", "peak_memory": "measure",

@@ -4,7 +4,7 @@ Accuracy contract: for every built-in (runtime.examples) and zoo (benchmarks/zoo
 budget the tests plan at, and unplanned,
     measured peak <= predicted peak <= 1.05 * measured peak,
 predicted = the plan's `predicted_peak_bytes`, measured = runtime.measure.peak_memory of one real
-training step of the wrapped model (conftest.measured_peak, as benchmarks/zoo.py measures).
+training step of the wrapped model (helpers.measured_peak, as benchmarks/zoo.py measures).
 Budgets: unplanned (a budget above the unplanned peak), 50% (built-ins: halfway from the smallest
 feasible to the unplanned peak, as tests/test_wrap.py, which checks the same at 30% and 70%; the
 zoo: fixed bytes plus 50% of the activations, as tests/test_zoo.py) and the smallest feasible
@@ -29,7 +29,7 @@ from remat.runtime.examples import EXAMPLES
 from remat.runtime.rewrite import rewrite
 from benchmarks.zoo_models import ZOO
 
-from conftest import UNPLANNED, Planned, measured_peak
+from helpers import UNPLANNED, Planned, measured_peak
 
 pytestmark = pytest.mark.slow
 

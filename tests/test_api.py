@@ -13,7 +13,7 @@ from remat.planner import ForwardError, InfeasibleBudgetError, TraceError, analy
 from remat.runtime import peak_memory, plan_and_wrap
 from remat.runtime import examples
 
-from conftest import FAST, train_step
+from helpers import FAST, train_step
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "abc", None, True])

@@ -16,7 +16,7 @@ from remat.planner.result import Plan
 from remat.runtime import apply, plan_and_wrap
 from remat.runtime.measure import peak_memory, training_loss
 
-from conftest import FAST
+from helpers import FAST
 
 
 class STE(torch.autograd.Function):

@@ -11,7 +11,7 @@ from remat.runtime import examples
 from remat.runtime.api import plan_and_wrap
 from remat.runtime.measure import peak_memory
 
-from conftest import FAST
+from helpers import FAST
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 

@@ -63,7 +63,7 @@ def test_the_sdist_holds_what_its_tests_import(dist):
     (sdist,) = dist.glob("remat-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     for must in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "mkdocs.yml", "__init__.py",
-                 "planner/solve.py", "runtime/api.py", "tests/conftest.py", "tests/test_package.py",
+                 "planner/solve.py", "runtime/api.py", "tests/conftest.py", "tests/helpers.py", "tests/test_package.py",
                  "benchmarks/zoo_models.py", "benchmarks/docs.py", "docs/index.md", "docs/cli.md", ".ci/run"):
         assert must in names, must
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from remat.runtime import plan_and_wrap
 from remat.runtime.measure import training_loss
 
-from conftest import FAST
+from helpers import FAST
 
 
 @pytest.fixture

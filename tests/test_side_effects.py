@@ -16,7 +16,7 @@ from remat.planner.trace import Traced, capture
 from remat.runtime import plan_and_wrap
 from remat.runtime.measure import peak_memory
 
-from conftest import FAST
+from helpers import FAST
 
 
 class RotaryBlock(nn.Module):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import ilp_peaks_of_random_plans
+from helpers import ilp_peaks_of_random_plans
 
 from remat.planner import solve_plan
 from remat.planner.api import analyze

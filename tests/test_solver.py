@@ -10,7 +10,7 @@ import sys
 
 import pulp
 import pytest
-from conftest import ilp_peaks_of_random_plans
+from helpers import ilp_peaks_of_random_plans
 
 from remat.planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
 from remat.planner.baselines import known_plans, sac_keepable

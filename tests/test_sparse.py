@@ -9,7 +9,7 @@ from remat.planner.check import _first_sample
 from remat import InputLayoutError
 from remat.runtime import plan_and_wrap
 
-from conftest import FAST
+from helpers import FAST
 
 
 class GCN(nn.Module):

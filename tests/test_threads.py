@@ -17,7 +17,7 @@ import torch.nn as nn
 from remat.planner import fidelity, muted
 from remat.runtime import plan_and_wrap
 
-from conftest import FAST
+from helpers import FAST
 
 
 class Square(torch.autograd.Function):

@@ -10,7 +10,7 @@ from remat.planner.simulate import timeline
 from remat.runtime import peak_memory, plan_and_wrap
 from remat.runtime.measure import preserved
 
-from conftest import FAST, train_step
+from helpers import FAST, train_step
 
 MODELS = ["gpt2", "mlp", "resnet", "unet"]
 

@@ -16,7 +16,7 @@ from remat.runtime import plan_and_wrap
 from remat.runtime.measure import peak_memory, preserved
 from benchmarks.zoo_models import ZOO
 
-from conftest import FAST, kept_plans, max_diff, planned_step, step as _step
+from helpers import FAST, kept_plans, max_diff, planned_step, step as _step
 
 pytestmark = pytest.mark.slow
 
