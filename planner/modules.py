@@ -178,7 +178,7 @@ def profile_modules(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn) 
         out = model(*args, **kwargs)
         forward_s.append(time.perf_counter() - t0)
         return out
-    with step_preserved(model), obs.hooked():
+    with step_preserved(model, (args, kwargs)), obs.hooked():
         for p in model.parameters():
             p.grad = None
         with LiveBytes(baseline=fixed, on_alloc=obs.on_alloc) as meter, \
@@ -191,9 +191,11 @@ _US = 1e6       # seconds -> microseconds
 _TIE = 1e-9     # weight of the transient working set in the objective: a tie-break only
 
 
-def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10.0) -> tuple[int, ...] | None:
-    """The least-time set of units whose estimated peak fits `budget_bytes`; None when none does,
-    or when CBC found no set in its time (logged): the caller falls back to its measured floor.
+def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10.0,
+                excluded: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
+    """The least-time set of units whose estimated peak fits `budget_bytes`, none of `excluded`;
+    None when none does, or when CBC found no set in its time (logged): the caller falls back to
+    its measured floor.
 
     min sum t_k x_k  s.t.  peak - sum (freed_k - added_k) x_k + z <= budget,  z >= transient_k x_k.
     """
@@ -207,6 +209,8 @@ def solve_units(prof: ModuleProfile, budget_bytes: int, time_limit_s: float = 10
              + z <= budget_bytes)
     for k, u in enumerate(prof.units):
         prob += z >= u.transient_bytes * x[k]
+    for k in excluded:
+        prob += x[k] == 0
     cbc(prob, cbc_command(timeLimit=time_limit_s))
     return chosen_units(prob, x)
 

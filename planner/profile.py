@@ -130,6 +130,7 @@ class _ProfileMode(LiveBytes):
         self.moved: dict[int, int] = defaultdict(int)
         self.ops: dict[int, int] = defaultdict(int)
         self.random: set[int] = set()     # nodes that draw random numbers
+        self.writes_views: set[int] = set()   # nodes with an in-place op on a view (`narrow(...).relu_()`)
         self.node = -1          # current node index; -1 = not recording
         self.fixed_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.fixed_storages: list = []
@@ -177,6 +178,8 @@ class _ProfileMode(LiveBytes):
             written = written_args(func, args, kwargs)
             for t in tensors_in((args, kwargs)):
                 self._read(t, id(t) in written)
+                if id(t) in written and t._is_view():
+                    self.writes_views.add(self.node)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _read(self, t: torch.Tensor, write: bool) -> None:
@@ -508,6 +511,16 @@ def _grad_last_users(run: _Run) -> list[int]:
     return grad_last
 
 
+def _double_backward_why(run: _Run, i: int) -> str:
+    """Why node i is not recomputed under a loss that differentiates through the graph: torch's
+    non-reentrant checkpoint unpacks a tensor an in-place op on a view saved twice in one double
+    backward, and refuses (CheckpointError; fuzz seed 5010)."""
+    if run.runner.loss_differentiates and i in run.mode.writes_views:
+        return ("writes a view in place, which torch's checkpoint cannot recompute under a loss that "
+                "differentiates through it (autograd.grad with create_graph)")
+    return ""
+
+
 def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates,
                 measured: MeasuredCosts | None = None) -> tuple[NodeCost, ...]:
     """Per node: what it makes, reads and saves, and its recompute time: measured where it was
@@ -519,7 +532,8 @@ def _node_costs(gm: fx.GraphModule, run: _Run, rates: DeviceRates,
     costs = []
     for i in range(loss_i + 1):
         r, is_loss = runner.rec[i], i == loss_i
-        why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "")
+        why = "the loss is never recomputed" if is_loss else writes_fixed.get(i, "") or runner.not_recomputable.get(i, "") \
+            or _double_backward_why(run, i)
         roofline = r["flops"] / rates.flops_per_s + mode.moved[i] / rates.bytes_per_s + mode.ops[i] * rates.op_s
         timed = measured.node_s[i] if measured and mode.ops[i] else None
         if timed is not None:       # recomputed in a region, its saved tensors pass checkpoint's hooks

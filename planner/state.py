@@ -51,7 +51,9 @@ def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class Snapshot:
     """Copies of some tensors' values, taken when it is made; `restore` writes them back. With
-    `versions`, only into the tensors written since (their version counters moved)."""
+    `versions`, only into the tensors written since: their version counters moved, or their
+    values differ (BatchNorm's CPU kernel writes its running statistics without moving the
+    counter: `native_batch_norm`'s schema does not mark them written; fuzz seed 5009)."""
 
     def __init__(self, tensors: Iterable[torch.Tensor], versions: bool = False):
         self.tensors = list(tensors)
@@ -62,8 +64,15 @@ class Snapshot:
     def restore(self) -> None:
         with torch.no_grad():
             for k, (t, value) in enumerate(zip(self.tensors, self.values)):
-                if self.versions is None or t._version != self.versions[k]:
+                if self.versions is None or t._version != self.versions[k] or _differ(t, value):
                     t.copy_(value)
+
+
+def _differ(t: torch.Tensor, value: torch.Tensor) -> bool:
+    """`t` holds other values than `value` (tensors without data, meta or fake, never differ)."""
+    if t.device.type == "meta" or type(t).__name__ == "FakeTensor":
+        return False
+    return not torch.equal(t, value)
 
 
 @contextlib.contextmanager
@@ -77,9 +86,14 @@ def buffers_restored(model: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def step_preserved(model: torch.nn.Module):
-    """A real step inside leaves no trace: gradients, buffers and every RNG are restored."""
-    grads = {p: p.grad for p in model.parameters()}
+def step_preserved(model: torch.nn.Module, inputs=()):
+    """A real step inside leaves no trace: gradients (the parameters', and those of the tensors
+    among `inputs`, a pytree: a loss differentiating by an input makes the input require grad, and
+    backward accumulates into it), buffers and every RNG are restored."""
+    leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+    grads = {p: p.grad for p in [*model.parameters(), *leaves]}
+    for t in leaves:        # the step accumulates from none, never into the user's gradient in place
+        t.grad = None
     try:
         with buffers_restored(model), rng_preserved():
             yield

@@ -154,3 +154,44 @@ def test_regions_under_double_backward(regions):
     _same_grads(oracle, model)
     for (n, b), (_, c) in zip(oracle.named_buffers(), model.named_buffers()):
         assert torch.equal(b, c), n
+
+
+def test_a_snapshot_restores_batchnorm_statistics_the_kernel_wrote_without_a_version():
+    """BatchNorm's CPU kernel writes its running statistics without moving their version counters
+    (fuzz seed 5009: a real run planning made changed them for good); state_preserved restores them."""
+    from remat.planner.state import state_preserved
+    bn, x = nn.BatchNorm2d(8), torch.randn(4, 8, 5, 5) + 3
+    before = bn.running_mean.clone()
+    with torch.no_grad(), state_preserved(bn):
+        bn(x)
+    assert torch.equal(bn.running_mean, before)
+    version = bn.running_mean._version
+    with torch.no_grad():
+        bn(x)
+    assert bn.running_mean._version == version and not torch.equal(bn.running_mean, before), \
+        "the kernel moves the counter now: the snapshot's value check is no longer needed"
+
+
+def test_an_in_place_op_on_a_view_is_not_recomputed_under_a_double_backward():
+    """torch's checkpoint unpacks a tensor `narrow(...).relu_()` saved twice in one double backward
+    (CheckpointError, fuzz seed 5010): such a node stays out of regions when the loss differentiates."""
+    class NarrowRelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+        def forward(self, x):
+            for lin in self.blocks:
+                h = lin(x)
+                h.narrow(-1, 0, 16).relu_()
+                x = x + torch.tanh(h)
+            return x
+
+    torch.manual_seed(0)
+    model, x = NarrowRelu(), torch.randn(64, 32).requires_grad_()
+
+    def relu_(loss_fn) -> list[str]:
+        cg = analyze(model, (x,), {}, loss_fn=loss_fn).cost_graph
+        return [c.why_not for c in cg.nodes if c.name.startswith("relu_")]
+    assert relu_(lambda s: s.square().mean()) == [""] * 4
+    assert all("differentiates" in why for why in relu_(lambda s: penalty(s, x))) and len(relu_(lambda s: penalty(s, x))) == 4

@@ -7,11 +7,12 @@ a choice with one real step, which is the prediction this path reports.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from remat.planner import PlanOptions
 from remat.planner.budget import Budget
@@ -27,6 +28,7 @@ from ..measure import peak_memory
 from .graph import rewinding
 
 PATH = "module tree"
+log = logging.getLogger("remat.runtime")
 
 
 def _checkpointed(module: torch.nn.Module, forward):
@@ -47,12 +49,13 @@ def checkpointing(model: torch.nn.Module, names: list[str]):
         yield
 
 
-def measure_step(model, args, kwargs, loss_fn, names, grads: bool = False) -> int:
+def measure_step(model, args, kwargs, loss_fn, names, grads: bool = False, keep_output: bool = False) -> int:
     """Peak live bytes of one real step with `names` checkpointed (grads, buffers, RNG restored);
-    `grads`: every trainable parameter starts with a gradient (gradient accumulation)."""
+    `grads`: every trainable parameter starts with a gradient (gradient accumulation);
+    `keep_output`: the output is held through backward (PlanOptions.keep_output)."""
     def step():
-        run_step(lambda: model(*args, **kwargs), lambda out: training_loss(out, loss_fn))
-    with step_preserved(model), checkpointing(model, names):
+        run_step(lambda: model(*args, **kwargs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
+    with step_preserved(model, (args, kwargs)), checkpointing(model, names):
         for p in model.parameters():
             # the step's own grads are counted, not the ones it started with (but for accumulation)
             p.grad = torch.zeros_like(p) if grads and p.requires_grad else None
@@ -89,6 +92,16 @@ def _optimizer_phase(model, args, kwargs, optimizer, options: PlanOptions) -> tu
     return mem.state_bytes, fixed + grads + mem.state_bytes + mem.step_bytes
 
 
+def _refuses(step) -> bool:
+    """`step()` raises torch's CheckpointError (a unit holding an in-place op on a view, under a
+    loss that differentiates through it: torch unpacks one saved tensor twice; fuzz seed 5010)."""
+    try:
+        step()
+    except CheckpointError:
+        return True
+    return False
+
+
 def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
                  why: str, optimizer=None) -> Plan:
     """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
@@ -111,8 +124,24 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, opt
     grads = options.accumulation_steps > 1
 
     def measure(chosen) -> int:
-        step = seeded_peak(lambda: measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen], grads))
+        step = seeded_peak(lambda: measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen], grads,
+                                                options.keep_output))
         return math.ceil(max(step + state, opt_peak) * margin)
+    refused: set[int] = set()      # units torch's checkpoint cannot run in this step
+
+    def measured(chosen) -> tuple[tuple[int, ...], int]:
+        """(the units of `chosen` a real step can checkpoint, that step's peak)."""
+        chosen = tuple(i for i in chosen if i not in refused)
+        try:
+            return chosen, measure(chosen)
+        except CheckpointError:
+            bad = {i for i in chosen if _refuses(lambda i=i: measure((i,)))}
+            if not bad:
+                raise
+            log.info("%s: not checkpointed, torch's checkpoint refuses them in this step: %s", type(model).__name__,
+                     ", ".join(names[i] for i in sorted(bad)))
+            refused.update(bad)
+            return measured(chosen)
 
     unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
     budget_bytes = budget.bytes_of(unplanned)
@@ -128,14 +157,14 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, opt
     # Hugging Face's gradient_checkpointing_enable()); checkpointing an embedding or a head whose
     # recompute lands on the backward's peak can cost more than it frees
     floors = {"every submodule": tuple(range(len(names))), "every block": block_units(model, names)}
-    floors = {k: (c, measure(c)) for k, c in floors.items() if c}
+    floors = {k: measured(c) for k, c in floors.items() if c}
     floor_name, (floor_chosen, floor) = min(floors.items(), key=lambda kv: kv[1][1])
     target, best = budget_bytes, None
     for _ in range(4):
-        chosen = solve_units(prof, int(target / margin), options.solve.time_limit_s)
+        chosen = solve_units(prof, int(target / margin), options.solve.time_limit_s, frozenset(refused))
         if chosen is None:
             break
-        peak = measure(chosen)
+        chosen, peak = measured(chosen)
         if peak <= budget_bytes:
             best = (chosen, peak)
             break
