@@ -29,7 +29,7 @@ from typing import NamedTuple
 from .candidates import Candidate
 from .costgraph import CostGraph
 from .result import Region
-from .solve import _MB, _reasons
+from .solve import MB, keep_reasons
 
 
 FRONT_WORK = 2_000_000   # (K, recompute) entries the DP may carry across its boundaries in all; beyond,
@@ -45,10 +45,10 @@ class Point(NamedTuple):
 
 def _counted(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
     """Per storage K counts: (bytes, coverable holders, candidates that keep it); as the ILP's
-    [Keep] reasons (planner/solve.py `_reasons`) of the storages in its `kept` sum."""
+    [Keep] reasons (planner/solve.py `keep_reasons`) of the storages in its `kept` sum."""
     sink = len(cg.nodes) - 1
     out = {}
-    for sid, r in enumerate(_reasons(cg, cands, coverable)):
+    for sid, r in enumerate(keep_reasons(cg, cands, coverable)):
         if r is None:
             continue
         xs, holders, fixed = r
@@ -125,7 +125,7 @@ def front(cg: CostGraph, cands: list[Candidate], work: int = FRONT_WORK) -> list
                 move(state, entries, by_cand[j], c.region.end + 1, c.region, c.cost_s)
         at[b] = {}                     # done with: memory back
     final = _pareto([e for entries in at[n].values() for e in entries])
-    return [Point(k * _MB, c, _unlink(p)) for k, c, p in final]
+    return [Point(k * MB, c, _unlink(p)) for k, c, p in final]
 
 
 def undominated(states: dict[frozenset, list], weight: dict) -> dict[frozenset, list]:

@@ -30,10 +30,11 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
    SegmentILP, CBC a process each, results taken in a fixed order; the widest WIDTH gaps at once),
    and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
-4. *The chain* (
+4. *The chain* and 5. *the judge*: one option per segment, picked by a DP over the bytes kept so
+   far, replayed by the simulator and corrected, polished by the flat ILP on small graphs
+   (planner/chain.py, NOTE [ chain ]).
 
-NOTE [ chain ] is in planner/chain.py; the structure in planner/blocks.py, a segment alone in
-planner/segment.py.
+The structure (blocks, segments) is in planner/blocks.py, a segment alone in planner/segment.py.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class _Family:
 
     def point(self, plan) -> tuple[float, float, tuple[Region, ...]]:
         o = self.rep.score(plan)
-        return o.kept * _ilp._MB, o.cost_s, plan
+        return o.kept * _ilp.MB, o.cost_s, plan
 
     def _open(self, j: int) -> tuple[float, float]:
         lo = max(self.front[j][0], self.searched.get(self.front[j + 1][2], -math.inf))
@@ -183,11 +184,11 @@ class _Family:
         """The cheapest plan keeping no more than `plan` at a lower peak in the segment graph (a block
         whose working set binds the budget; by the DP, `_by_dp`, else the segment ILP); once per plan."""
         self.lowered.add(plan)
-        k = self.rep.score(plan).kept * _ilp._MB + self.ilp.tol
+        k = self.rep.score(plan).kept * _ilp.MB + self.ilp.tol
         peak = timeline(self.rep.sub, plan).peak_bytes
-        cap = peak - math.ceil(self.ilp.tol / _ilp._MB)       # lower by the ILP's tolerance, as it reads it
+        cap = peak - math.ceil(self.ilp.tol / _ilp.MB)       # lower by the ILP's tolerance, as it reads it
         return (self._by_dp(lambda: cheapest_under(self.rep.sub, self.ilp.cands, k, cap))
-                or Job(self, lambda ilp: ilp.cheapest(k, peak * _ilp._MB - self.ilp.tol), _plan_of))
+                or Job(self, lambda ilp: ilp.cheapest(k, peak * _ilp.MB - self.ilp.tol), _plan_of))
 
     def _by_dp(self, answer) -> "Job | None":
         """A job answered now by `answer()` (a DP of NOTE [ lower DP ]: a Point, or None for no plan),
@@ -251,7 +252,7 @@ class HierarchicalSolver:
         for i, s in enumerate(self.segs):
             by.setdefault(s.family, []).append(i)
         # a gap of the front narrower than this share of the step's activation bytes is not searched
-        min_gap = MIN_GAP * (timeline(cg, ()).peak_bytes - cg.fixed_bytes) * _ilp._MB
+        min_gap = MIN_GAP * (timeline(cg, ()).peak_bytes - cg.fixed_bytes) * _ilp.MB
         for members in by.values():
             rep = self.contexts[members[len(members) // 2]]      # a middle block: the usual context
             k_none = rep.score(()).kept

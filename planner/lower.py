@@ -38,7 +38,7 @@ from .costgraph import CostGraph
 from .front import FRONT_WORK, Point, _unlink, boundaries
 from .front import _pareto as front_pareto
 from .simulate import base_liveness, last_reader, region_recompute
-from .solve import _MB, _reasons
+from .solve import MB, keep_reasons
 
 
 _k, _a = itemgetter(0), itemgetter(3)
@@ -66,7 +66,7 @@ def _prepare(cg: CostGraph, cands: list[Candidate]):
     # storage -> (bytes, MB counted in K or None, sure: held by a node no region covers, the last
     # boundary a reason acts at, its last reader, that uncovered holder or None)
     info = {}
-    for sid, r in enumerate(_reasons(cg, cands, coverable)):
+    for sid, r in enumerate(keep_reasons(cg, cands, coverable)):
         if r is None:
             continue
         xs, holders, fixed = r
@@ -87,7 +87,7 @@ def _prepare(cg: CostGraph, cands: list[Candidate]):
         reader = last_reader(s)
         if fixed is None and max(acts) > reader:
             raise TooMuchWork(f"storage {sid} may be kept by a reason after its last reader")
-        info[sid] = (s.bytes, s.bytes * _MB if counted else None, fixed is not None, max(acts), reader, fixed)
+        info[sid] = (s.bytes, s.bytes * MB if counted else None, fixed is not None, max(acts), reader, fixed)
     base = base_liveness(cg)
     sure_fwd = [0] * (n + 1)           # forward: kept on every path (a holder no region covers), after its reader
     sure_before = [0] * (n + 2)        # bytes of those whose uncovered holder is before each boundary
@@ -134,28 +134,41 @@ def _dp(cg: CostGraph, cands: list[Candidate], prepared: tuple, level_mb: float,
     """The Pareto set at the last boundary of (K, recompute) over the plans within `cap` (or, with
     `cap` None, of (K, peak) over every plan) keeping at most `level_mb` MB, as entries (K, recompute
     or peak, plan as a linked list, A, nodes covered); `prepared`: `_prepare(cg, cands)`."""
-    n = len(cg.nodes)
-    starts, skip_ev, cand_ev, info, base, sure_fwd, sure_before = prepared
-    level = level_mb + 1e-9
-    fwd_fixed = [base.fwd[t] + sure_fwd[t] for t in range(n)]      # forward bytes no path changes
-    skips = [([base.bwd[t]], None, base.bwd[t], fwd_fixed[t]) for t in range(n)]
-    steps: list = [None] * len(cands)
+    return _LowerDP(cg, cands, prepared, level_mb, cap).run(work)
 
-    def step_of(j: int):
+
+class _LowerDP:
+    """One run of `_dp`: the boundaries' entries (`at`), and the steps over nodes (a skipped node,
+    a candidate region) that move entries from one boundary to a later one."""
+
+    def __init__(self, cg: CostGraph, cands: list[Candidate], prepared: tuple, level_mb: float, cap: int | None):
+        self.cg, self.cands, self.cap = cg, cands, cap
+        n = self.n = len(cg.nodes)
+        self.starts, self.skip_ev, self.cand_ev, self.info, base, sure_fwd, self.sure_before = prepared
+        self.base, self.level = base, level_mb + 1e-9
+        self.fwd_fixed = [base.fwd[t] + sure_fwd[t] for t in range(n)]      # forward bytes no path changes
+        self.skips = [([base.bwd[t]], None, base.bwd[t], self.fwd_fixed[t]) for t in range(n)]
+        self.steps: list = [None] * len(cands)
+        # per boundary: state -> list of (K MB, recompute s or peak, plan as a linked list, A bytes, nodes in regions)
+        self.at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
+        self.at[0][frozenset()] = [(0.0, 0.0 if cap is not None else 0, None, 0, 0)]
+
+    def step_of(self, j: int):
         """Candidate j's nodes' backward bytes before what is kept, its top's (index, bytes before
         what is kept), and the most of each pass over its nodes (for the quick tests)."""
-        if steps[j] is None:
-            r = cands[j].region
+        if self.steps[j] is None:
+            cg, base, r = self.cg, self.base, self.cands[j].region
             rc = region_recompute(cg, r)
             pre = [base.bwd[t] + rc.work[t - r.start] for t in range(r.start, r.end + 1)]
             top = None
             if rc.top is not None:
                 top = (rc.top - r.start, base.bwd[rc.top] - cg.nodes[rc.top].bwd_extra_bytes + rc.peak)
-            steps[j] = (pre, top, max(pre + [top[1]] if top else pre), max(fwd_fixed[r.start:r.end + 1]))
-        return steps[j]
+            self.steps[j] = (pre, top, max(pre + [top[1]] if top else pre), max(self.fwd_fixed[r.start:r.end + 1]))
+        return self.steps[j]
 
-    def worst_of(b: int, to: int, held: tuple, new: dict, new_ns: list, step) -> int:
+    def worst_of(self, b: int, to: int, held: tuple, new: dict, new_ns: list, step) -> int:
         """The most live bytes less A over the step's nodes, b..to-1."""
+        info = self.info
         pre, top, _, _ = step
         held_sure, pending, pending_b = held
         span = to - b
@@ -175,15 +188,13 @@ def _dp(cg: CostGraph, cands: list[Candidate], prepared: tuple, level_mb: float,
             bwd = pre[k] + kb
             if top is not None and top[0] == k:
                 bwd = max(bwd, top[1] + kb)
-            worst = max(worst, bwd, fwd_fixed[b + k] + fb)
+            worst = max(worst, bwd, self.fwd_fixed[b + k] + fb)
         return worst
 
-    # per boundary: state -> list of (K MB, recompute s or peak, plan as a linked list, A bytes, nodes in regions)
-    at: list[dict[frozenset, list]] = [dict() for _ in range(n + 1)]
-    at[0][frozenset()] = [(0.0, 0.0 if cap is not None else 0, None, 0, 0)]
-
-    def move(b: int, state: frozenset, held: tuple, entries: list, keeps: dict, to: int, region, cost: float,
+    def move(self, b: int, state: frozenset, held: tuple, entries: list, keeps: dict, to: int, region, cost: float,
              step) -> None:
+        """The entries of `state` at boundary b, moved over one step (a skip or region to `to`)."""
+        info, cap = self.info, self.cap
         new = {s: q for s, q in keeps.items() if s not in state}
         add_a = sum(info[s][0] for s in new)
         add_k = sum(info[s][1] for s, q in new.items() if info[s][1] is not None and q != info[s][5])
@@ -191,36 +202,40 @@ def _dp(cg: CostGraph, cands: list[Candidate], prepared: tuple, level_mb: float,
         # live bytes at the step's nodes less A, the same for every entry of the state: bounded first
         _, _, most_b, most_f = step
         worst = max(most_b + add_a, most_f - held[0] + sum(info[s][0] for s in new_ns))
-        last = bisect_right(entries, level - add_k, key=_k)     # within the level: a prefix (K ascending)
+        last = bisect_right(entries, self.level - add_k, key=_k)     # within the level: a prefix (K ascending)
         covers = 0 if region is None else to - b
         if cap is not None:
             if entries[-1][3] + worst > cap and entries[0][3] + most_b <= cap:
-                worst = worst_of(b, to, held, new, new_ns, step)
+                worst = self.worst_of(b, to, held, new, new_ns, step)
             last = min(last, bisect_right(entries, cap - worst, key=_a))   # within the cap: a prefix (A with K)
             got = [(k + add_k, c + cost, (region, p) if region is not None else p, a + add_a, v + covers)
                    for k, c, p, a, v in entries[:last]]
         else:
             if any(a + worst > peak for _, peak, _, a, _ in entries[:last]):
-                worst = worst_of(b, to, held, new, new_ns, step)
+                worst = self.worst_of(b, to, held, new, new_ns, step)
             got = [(k + add_k, max(peak, a + worst), (region, p) if region is not None else p, a + add_a, v + covers)
                    for k, peak, p, a, v in entries[:last]]
         if got:
             nxt = frozenset(s for s in (*state, *new) if (info[s][3] if info[s][2] else info[s][4]) >= to)
-            at[to].setdefault(nxt, []).extend(got)
+            self.at[to].setdefault(nxt, []).extend(got)
 
-    carried = 0
-    for b in range(n):
-        for state, entries in at[b].items():
-            entries = _pareto(entries)            # K ascending, and A with it (A less K is the state's)
-            carried += len(entries) * (1 + len(starts[b]))
-            if carried > work:
-                raise TooMuchWork(f"more than {work} entries")
-            pending = sorted((info[s][4], info[s][0]) for s in state if not info[s][2])
-            held_sure = sure_before[b] + sum(info[s][0] for s in state if info[s][2])
-            held = (held_sure, pending, sum(by for _, by in pending))
-            move(b, state, held, entries, {s: b for s in skip_ev[b]}, b + 1, None, 0.0, skips[b])
-            for j in starts[b]:
-                c = cands[j]
-                move(b, state, held, entries, cand_ev[j], c.region.end + 1, c.region, c.cost_s, step_of(j))
-        at[b] = {}
-    return _pareto([e for entries in at[n].values() for e in entries])
+    def run(self, work: int) -> list[tuple]:
+        """Every boundary's entries moved on, in order; the Pareto set at the last (TooMuchWork past
+        `work` entries carried)."""
+        info, carried = self.info, 0
+        for b in range(self.n):
+            for state, entries in self.at[b].items():
+                entries = _pareto(entries)            # K ascending, and A with it (A less K is the state's)
+                carried += len(entries) * (1 + len(self.starts[b]))
+                if carried > work:
+                    raise TooMuchWork(f"more than {work} entries")
+                pending = sorted((info[s][4], info[s][0]) for s in state if not info[s][2])
+                held_sure = self.sure_before[b] + sum(info[s][0] for s in state if info[s][2])
+                held = (held_sure, pending, sum(by for _, by in pending))
+                self.move(b, state, held, entries, {s: b for s in self.skip_ev[b]}, b + 1, None, 0.0, self.skips[b])
+                for j in self.starts[b]:
+                    c = self.cands[j]
+                    self.move(b, state, held, entries, self.cand_ev[j], c.region.end + 1, c.region, c.cost_s,
+                              self.step_of(j))
+            self.at[b] = {}
+        return _pareto([e for entries in self.at[self.n].values() for e in entries])

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import pulp
 
-from . import solve as _ilp
+from . import solve as ilp
 from .blocks import Segment
 from .cbc import variable
 from .candidates import FULL_PAIRS, SearchSpace, candidates
@@ -126,7 +126,7 @@ class SegmentILP:
             full = len(pos) * (len(pos) + 1) // 2 <= SEGMENT_PAIRS
             cands = candidates(sub, self.opts if full else opts, space)
         self.cands = cands
-        self.k_none = k_none * _ilp._MB
+        self.k_none = k_none * ilp.MB
         self.tol = 1e-3 + 1e-6 * self.k_none          # MB: CBC's tolerance on a constraint
         self.prob = None            # the model, made at the first solve (the exact front answers most)
 
@@ -137,17 +137,17 @@ class SegmentILP:
         sub = self.sub
         prob = self.prob = pulp.LpProblem("segment", pulp.LpMinimize)
         self.B = variable(prob, "B", 0)
-        self.x, self.y, covering, coverable = _ilp._path(prob, self.cands, len(sub.nodes))
-        lines = _ilp._keep(prob, sub, self.cands, self.x, self.y, coverable)
-        _ilp._budget_lines(prob, sub, self.cands, self.x, covering, lines, self.B, False)
+        self.x, self.y, covering, coverable = ilp.path_lines(prob, self.cands, len(sub.nodes))
+        lines = ilp.keep_lines(prob, sub, self.cands, self.x, self.y, coverable)
+        ilp.budget_lines(prob, sub, self.cands, self.x, covering, lines, self.B, False)
         # a storage also held after the segment (by the sink) has its -z term at the sink in K's chain
         sink = len(sub.nodes) - 1
         self.kept = pulp.lpSum([t for ts in lines.fwd_d for t in ts] + [-t for t in lines.bwd_d[sink]])
-        self.cost = _ilp._lin([(x, c.cost_s * _ilp._US) for x, c in zip(self.x, self.cands)])
-        self.total = sum(c.cost_s * _ilp._US for c in self.cands) or 1.0
+        self.cost = ilp.lin([(x, c.cost_s * ilp.US) for x, c in zip(self.x, self.cands)])
+        self.total = sum(c.cost_s * ilp.US for c in self.cands) or 1.0
         # a weight on K too small ever to trade recompute for, so that the z chains take their least
         # values (the K read back is then the plan's own)
-        self.nudge = 1e-4 * min(c.cost_s * _ilp._US for c in self.cands) / max(self.k_none, 1e-9)
+        self.nudge = 1e-4 * min(c.cost_s * ilp.US for c in self.cands) / max(self.k_none, 1e-9)
         self.cap = pulp.LpConstraint(self.kept, pulp.LpConstraintLE, "kept_cap", 1e18)
         prob += self.cap
 
@@ -155,18 +155,18 @@ class SegmentILP:
         self.cap.constant = -below        # the model: built by the caller (`build`)
         self.prob.setObjective(objective)
         if start is not None:                  # a plan known to meet the constraints: CBC's first incumbent
-            _ilp.set_start(self.cands, self.x, self.y, start)
-        _, _, sol = _ilp._run(self.prob, self.opts, start is not None, nodes, extra)
-        if sol not in _ilp._SOLVED:
+            ilp.set_start(self.cands, self.x, self.y, start)
+        _, _, sol = ilp.run_cbc(self.prob, self.opts, start is not None, nodes, extra)
+        if sol not in ilp.SOLVED:
             return None
-        return _ilp._chosen(self.cands, self.x), pulp.value(self.kept) or 0.0
+        return ilp.chosen_regions(self.cands, self.x), pulp.value(self.kept) or 0.0
 
     def least_kept(self):
         """(plan, K in MB) keeping the least (recompute breaking ties); None without candidates."""
         if not self.cands:
             return None
         self.build()
-        return self._run(self.kept + _ilp._TIE * self.cost / self.total, 1e18)
+        return self._run(self.kept + ilp.TIE * self.cost / self.total, 1e18)
 
     def cheapest(self, below: float, peak_below: float | None = None, start=None):
         """(plan, K in MB) of least recompute keeping at most `below` MB (and peaking below
@@ -185,5 +185,5 @@ class SegmentILP:
         if not self.cands:
             return None
         self.build()
-        return self._run(self.B + _ilp._TIE * self.cost / self.total, below + self.tol, LOW_PEAK_NODES,
-                         extra=_ilp.PLAIN_SEARCH)
+        return self._run(self.B + ilp.TIE * self.cost / self.total, below + self.tol, LOW_PEAK_NODES,
+                         extra=ilp.PLAIN_SEARCH)

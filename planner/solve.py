@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import pulp
 
@@ -56,10 +56,10 @@ from .options import SolveOptions
 from .result import Region
 from .simulate import base_liveness, last_reader, timeline
 
-_US = 1e6     # the objective is in microseconds: CBC's tolerances suit numbers of that size
-_MB = 1e-6    # bytes -> MB: keeps CBC's numerics sane
-_TIE = 1e-3   # least-peak solve: the weight of recompute cost (as a fraction of all) next to the peak
-_SOLVED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+US = 1e6     # the objective is in microseconds: CBC's tolerances suit numbers of that size
+MB = 1e-6    # bytes -> MB: keeps CBC's numerics sane
+TIE = 1e-3   # least-peak solve: the weight of recompute cost (as a fraction of all) next to the peak
+SOLVED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,16 @@ class Solution:
     status: str
     gap: float
     solve_s: float
+
+
+class BlockSolver(Protocol):
+    """A solver for graphs of repeated blocks (planner/hierarchy.py's HierarchicalSolver), which
+    planner.fit takes instead of `solve_ilp` and `solve_min_peak` where it has one."""
+
+    def solve(self, cg: CostGraph, budget_bytes: int, opts: SolveOptions | None = None,
+              warm_start: tuple[Region, ...] = (), cands=None, ctx=None) -> Solution | None: ...
+
+    def min_peak(self) -> Solution: ...
 
 
 class Model(NamedTuple):
@@ -79,7 +89,7 @@ class Model(NamedTuple):
     cost: pulp.LpAffineExpression   # estimated recompute, in microseconds
 
 
-class _Lines(NamedTuple):
+class Lines(NamedTuple):
     """The live-bytes terms of the [Forward] and [Backward] constraints, in MB, by node."""
     fwd_const: list           # difference arrays of the constant terms
     bwd_const: list
@@ -89,7 +99,7 @@ class _Lines(NamedTuple):
     bwd_d: list               # ... (K's chain)
 
 
-def _reasons(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
+def keep_reasons(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
     """Per storage (positive size, not a model output): its keep reasons (NOTE [ ILP ]) as
     {point: [x indices]}, the holders that may be covered, and the first point at which a reason
     always holds (None when none does)."""
@@ -137,7 +147,7 @@ def _shelters(cg: CostGraph, cands: list[Candidate]) -> dict[int, dict[int, list
     return out
 
 
-def _lin(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
+def lin(terms, constant: float = 0.0) -> pulp.LpAffineExpression:
     """sum coef * var + constant, built at once (pulp's operators copy the expression each time);
     each variable at most once in `terms`."""
     return pulp.LpAffineExpression(terms, constant)
@@ -152,7 +162,7 @@ def _at_most(prob, lhs, rhs) -> None:
     prob += lhs <= rhs
 
 
-def _path(prob, cands: list[Candidate], n: int):
+def path_lines(prob, cands: list[Candidate], n: int):
     """[Path]: the chosen regions are disjoint. Returns x, y, the candidates covering each node
     (with work there), and which nodes any candidate covers."""
     x = [variable(prob, f"x{j}", cat=pulp.LpBinary) for j in range(len(cands))]
@@ -172,22 +182,22 @@ def _path(prob, cands: list[Candidate], n: int):
         # in - out == 0, with one unit entering at boundary 0 and leaving at n
         terms = [(x[j], 1) for j in ends[b]] + [(x[j], -1) for j in starts[b]]
         terms += ([(y[b - 1], 1)] if b else []) + ([(y[b], -1)] if b < n else [])
-        prob += _lin(terms, (1 if b == 0 else 0) - (1 if b == n else 0)) == 0
+        prob += lin(terms, (1 if b == 0 else 0) - (1 if b == n else 0)) == 0
     for i in range(n):
         if not coverable[i]:
             prob += y[i] == 1
     return x, y, covering, coverable
 
 
-def _keep(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> _Lines:
+def keep_lines(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> Lines:
     """[Keep] and [Shelter]: the z chains of every storage, as terms of the live-bytes lines."""
     n = len(cg.nodes)
-    lines = _Lines(*([0.0] * (n + 1) for _ in range(4)), [[] for _ in range(n + 1)], [[] for _ in range(n + 1)])
+    lines = Lines(*([0.0] * (n + 1) for _ in range(4)), [[] for _ in range(n + 1)], [[] for _ in range(n + 1)])
     shelters = _shelters(cg, cands)
-    for sid, (s, r) in enumerate(zip(cg.storages, _reasons(cg, cands, coverable))):
+    for sid, (s, r) in enumerate(zip(cg.storages, keep_reasons(cg, cands, coverable))):
         if r is None:
             continue
-        mb, last = s.bytes * _MB, min(last_reader(s) + 1, n)
+        mb, last = s.bytes * MB, min(last_reader(s) + 1, n)
         xs, holders, fixed = r
         points = sorted(set(xs) | set(holders))
         if fixed is not None:            # a holder no candidate covers: kept from there on, always
@@ -206,9 +216,9 @@ def _keep(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> _Line
             if q in holders:
                 prob += z >= y[q]                           # a holder outside every region
             if q in xs:
-                prob += z >= _lin([(x[j], 1) for j in xs[q]])  # one region only: they all overlap
+                prob += z >= lin([(x[j], 1) for j in xs[q]])  # one region only: they all overlap
             if q in holders and sid in shelters:            # [Shelter]
-                prob += z >= _lin([(x[j], -1) for j in shelters[sid][q]], 1)
+                prob += z >= lin([(x[j], -1) for j in shelters[sid][q]], 1)
             lines.bwd_d[q].append(mb * z)
             if prev is not None:
                 lines.bwd_d[q].append(-mb * prev)
@@ -224,14 +234,14 @@ def _keep(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> _Line
     return lines
 
 
-def _budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, lines: _Lines, B,
+def budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, lines: Lines, B,
                   fixed_budget: bool) -> None:
     """[Forward] and [Backward]: live bytes at every node, each pass, at most B."""
     n = len(cg.nodes)
     base = base_liveness(cg)
     if base.opt:                          # the optimizer's step: the same under every plan
-        _at_most(prob, base.opt * _MB, B)
-    work_max = [max((cands[j].work[t - cands[j].region.start] for j in covering[t]), default=0) * _MB
+        _at_most(prob, base.opt * MB, B)
+    work_max = [max((cands[j].work[t - cands[j].region.start] for j in covering[t]), default=0) * MB
                 for t in range(n)]
     fc = bc = fm = bm = 0.0
     Jv = Kv = 0
@@ -247,22 +257,22 @@ def _budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, line
             prob += K == Kv + pulp.lpSum(lines.bwd_d[t])
             Kv = K
         # a constraint that cannot bind even if every reason held is left out
-        if not fixed_budget or base.fwd[t] * _MB + fm > B:
-            _at_most(prob, base.fwd[t] * _MB + fc + Jv, B)
-        if not fixed_budget or base.bwd[t] * _MB + bm + work_max[t] > B:
-            work = _lin([(x[j], cands[j].work[t - cands[j].region.start] * _MB) for j in covering[t]],
-                        base.bwd[t] * _MB + bc)
+        if not fixed_budget or base.fwd[t] * MB + fm > B:
+            _at_most(prob, base.fwd[t] * MB + fc + Jv, B)
+        if not fixed_budget or base.bwd[t] * MB + bm + work_max[t] > B:
+            work = lin([(x[j], cands[j].work[t - cands[j].region.start] * MB) for j in covering[t]],
+                        base.bwd[t] * MB + bc)
             _at_most(prob, work + Kv if covering[t] or not isinstance(Kv, int) else work.constant, B)
 
 
 def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> Model:
     """Build the ILP (NOTE [ ILP ]). With budget_bytes None, the budget is a variable to minimise."""
     prob = pulp.LpProblem("remat", pulp.LpMinimize)
-    B = variable(prob, "B", 0) if budget_bytes is None else budget_bytes * _MB
-    x, y, covering, coverable = _path(prob, cands, len(cg.nodes))
-    lines = _keep(prob, cg, cands, x, y, coverable)
-    _budget_lines(prob, cg, cands, x, covering, lines, B, budget_bytes is not None)
-    cost = _lin([(x[j], c.cost_s * _US) for j, c in enumerate(cands)])     # [Objective]
+    B = variable(prob, "B", 0) if budget_bytes is None else budget_bytes * MB
+    x, y, covering, coverable = path_lines(prob, cands, len(cg.nodes))
+    lines = keep_lines(prob, cg, cands, x, y, coverable)
+    budget_lines(prob, cg, cands, x, covering, lines, B, budget_bytes is not None)
+    cost = lin([(x[j], c.cost_s * US) for j, c in enumerate(cands)])     # [Objective]
     return Model(prob, x, y, B, cost)
 
 
@@ -274,7 +284,7 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
 PLAIN_SEARCH = ("cuts off", "heuristics off")
 
 
-def _run(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None, extra: tuple[str, ...] = ()):
+def run_cbc(prob, opts: SolveOptions, warm: bool, max_nodes: int | None = None, extra: tuple[str, ...] = ()):
     nodes = opts.max_nodes if max_nodes is None else max_nodes
     solver = cbc_command(opts.threads, timeLimit=opts.time_limit_s, gapRel=opts.rel_gap,
                          warmStart=warm, options=[f"maxNodes {nodes}", *extra])
@@ -294,7 +304,7 @@ def set_start(cands: list[Candidate], x, y, regions) -> None:
         v.setInitialValue(0 if i in covered else 1)
 
 
-def _chosen(cands, x) -> tuple[Region, ...]:
+def chosen_regions(cands, x) -> tuple[Region, ...]:
     return tuple(sorted((c.region for c, v in zip(cands, x) if (v.value() or 0) > 0.5),
                         key=lambda r: r.start))
 
@@ -325,13 +335,13 @@ def solve_ilp(cg: CostGraph, budget_bytes: int, opts: SolveOptions = SolveOption
     m = _model(cg, cands, budget_bytes)
     m.prob.setObjective(m.cost)
     set_start(cands, m.x, m.y, warm_start)
-    solve_s, status, sol = _run(m.prob, opts, bool(warm_start), extra=cbc_options)
-    if sol not in _SOLVED:
+    solve_s, status, sol = run_cbc(m.prob, opts, bool(warm_start), extra=cbc_options)
+    if sol not in SOLVED:
         return None
-    obj = (pulp.value(m.cost) or 0.0) / _US
-    regions = _chosen(cands, m.x)
+    obj = (pulp.value(m.cost) or 0.0) / US
+    regions = chosen_regions(cands, m.x)
     label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
-    gap = (opts.rel_gap if obj else 0.0) if sol == pulp.LpSolutionOptimal else _lp_gap(m, obj * _US, opts)
+    gap = (opts.rel_gap if obj else 0.0) if sol == pulp.LpSolutionOptimal else _lp_gap(m, obj * US, opts)
     t0 = time.perf_counter()
     better = regions
     if opts.improve_evals:
@@ -355,15 +365,15 @@ def solve_min_peak(cg: CostGraph, opts: SolveOptions = SolveOptions(),
     ctx = ctx or search(cg, opts.sac)
     cands = candidates(cg, opts, ctx.space) if cands is None else cands
     m = _model(cg, cands, None)
-    total = sum(c.cost_s * _US for c in cands) or 1.0
-    m.prob.setObjective(m.B + _TIE * m.cost / total)   # the least peak first; recompute only breaks ties
-    solve_s, status, sol = _run(m.prob, opts, False, min(opts.max_nodes, opts.min_peak_nodes))
-    if sol not in _SOLVED and opts.min_peak_nodes < opts.max_nodes:
-        more_s, status, sol = _run(m.prob, opts, False)      # no plan found at the root: branch
+    total = sum(c.cost_s * US for c in cands) or 1.0
+    m.prob.setObjective(m.B + TIE * m.cost / total)   # the least peak first; recompute only breaks ties
+    solve_s, status, sol = run_cbc(m.prob, opts, False, min(opts.max_nodes, opts.min_peak_nodes))
+    if sol not in SOLVED and opts.min_peak_nodes < opts.max_nodes:
+        more_s, status, sol = run_cbc(m.prob, opts, False)      # no plan found at the root: branch
         solve_s += more_s
     known = min(known_plans(cg, opts.sac).values(), key=lambda r: _key(cg, r), default=())
-    if sol in _SOLVED:
-        regions = _chosen(cands, m.x)
+    if sol in SOLVED:
+        regions = chosen_regions(cands, m.x)
         label = "optimal" if sol == pulp.LpSolutionOptimal else "feasible (node or time limit)"
     else:    # CBC found no plan within its limits (a graph of thousands of nodes): the known plan
         regions = min([known, ()], key=lambda r: _key(cg, r))
@@ -391,4 +401,4 @@ def ilp_peak_bytes(cg: CostGraph, cands: list[Candidate], regions: tuple[Region,
     for c, v in zip(cands, m.x):
         prob += v == int(c.region in chosen)
     cbc(prob, cbc_command())
-    return pulp.value(m.B) / _MB
+    return pulp.value(m.B) / MB

@@ -86,10 +86,10 @@ def test_the_lower_dp_answers_what_the_segment_ilp_answers(seed):
     asked = found = 0
     for fam, ilp in _families(seed, size=6):
         for p in front(ilp.sub, ilp.cands):
-            k = fam.rep.score(p.plan).kept * _ilp._MB + ilp.tol
+            k = fam.rep.score(p.plan).kept * _ilp.MB + ilp.tol
             peak = timeline(ilp.sub, p.plan).peak_bytes
-            ours = cheapest_under(ilp.sub, ilp.cands, k, peak - 2 * round(ilp.tol / _ilp._MB))
-            theirs = ilp.cheapest(k, peak * _ilp._MB - 2 * ilp.tol)
+            ours = cheapest_under(ilp.sub, ilp.cands, k, peak - 2 * round(ilp.tol / _ilp.MB))
+            theirs = ilp.cheapest(k, peak * _ilp.MB - 2 * ilp.tol)
             assert (ours is None) == (theirs is None)
             if ours is not None:
                 assert ours.cost_s == pytest.approx(fam.rep.score(theirs[0]).cost_s, rel=1e-9, abs=1e-12)

@@ -427,7 +427,7 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
     from remat.planner.baselines import known_plans
 
     cg = chain(8, [4, 3, 5, 2, 6, 3, 4, 1], [5, 1, 6, 1, 7, 1, 5, 1])
-    monkeypatch.setattr(solve, "_run", lambda *a, **k: (0.0, "Not Solved", pulp.LpSolutionNoSolutionFound))
+    monkeypatch.setattr(solve, "run_cbc", lambda *a, **k: (0.0, "Not Solved", pulp.LpSolutionNoSolutionFound))
     sol = solve.solve_min_peak(cg, SolveOptions(improve_evals=0))
     least = min(timeline(cg, r).peak_bytes for r in [(), *known_plans(cg).values()])
     assert "CBC found none" in sol.status and timeline(cg, sol.regions).peak_bytes == least
