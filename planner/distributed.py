@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .costgraph import CostGraph, NodeCost
+from .facts import StepFacts
 
 @dataclass(frozen=True)
 class Unit:
@@ -92,7 +93,7 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     (NOTE [ per-rank memory ])."""
     if sharding.engine == "ddp":
         return replace(cg, fixed_bytes=cg.fixed_bytes + sharding.bucket_bytes,
-                       meta={**cg.meta, "distributed": _meta(sharding)})
+                       meta=StepFacts.noted(cg.meta, distributed=_meta(sharding)))
     if sharding.engine != "fsdp":
         raise ValueError(f"unknown data-parallel engine {sharding.engine!r}: 'fsdp' or 'ddp'")
     units = {u.name: u for u in sharding.units}
@@ -111,13 +112,14 @@ def per_rank(cg: CostGraph, sharding: Sharding) -> CostGraph:
     shards = sum(u.shard_bytes for u in sharding.units)
     root = units.get("")
     fixed = cg.fixed_bytes - full + shards + (root.unsharded_bytes if root else 0)
-    out = replace(cg, nodes=nodes, fixed_bytes=fixed, meta={**cg.meta, "distributed": _meta(sharding)})
-    state = cg.meta.get("optimizer_state_bytes")
-    if state is not None and full:           # measured on unsharded parameters: a rank steps its shard
+    out = replace(cg, nodes=nodes, fixed_bytes=fixed, meta=StepFacts.noted(cg.meta, distributed=_meta(sharding)))
+    state = StepFacts.of(cg.meta).optimizer_state_bytes
+    if cg.optimizer_step_bytes is not None and full:           # measured on unsharded parameters: a rank steps its shard
         ratio = shards / full
         step = round((cg.optimizer_step_bytes or 0) * ratio)
         out = replace(out, fixed_bytes=out.fixed_bytes - state + round(state * ratio), optimizer_step_bytes=step,
-                      meta={**out.meta, "optimizer_state_bytes": round(state * ratio), "optimizer_step_bytes": step})
+                      meta=StepFacts.noted(out.meta, optimizer_state_bytes=round(state * ratio),
+                                           optimizer_step_bytes=step))
     return out
 
 

@@ -21,6 +21,7 @@ from .baselines import known_plans
 from .candidates import Candidate, candidates
 from .costgraph import CostGraph
 from .errors import InfeasibleBudgetError
+from .facts import StepFacts
 from .improve import Search, search
 from .options import PlanOptions, SolveOptions
 from .result import Plan, Region
@@ -169,7 +170,7 @@ def _saw_floor(cg: CostGraph, floor: int | None) -> None:
 def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: tuple,
                 measure: Measure | None) -> Plan:
     budget_bytes = int(budget_bytes)
-    margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
+    margin = 1.0 + replay_margin(options, StepFacts.of(cg.meta).device)
     pb = _Problem(cg, budget_bytes, options, [], None, {}, {}, measure, margin)
     unplanned = pb.predict(())
     base = _base(cg, budget_bytes, unplanned, opaque)
@@ -414,16 +415,17 @@ def _not_recomputable(cg: CostGraph, listed: int = 3) -> list[str]:
 
 
 def _finish(cg: CostGraph, p: Plan) -> Plan:
-    notes = _not_recomputable(cg)
-    if cg.meta.get("loss") == "stand-in":
+    notes, facts = _not_recomputable(cg), StepFacts.of(cg.meta)
+    if facts.loss == "stand-in":
         notes.append("no loss_fn given: room is reserved for a loss that keeps one tensor of the output's size")
     if cg.optimizer_step_bytes is not None:
-        notes.append(f"the step ends with {cg.meta.get('optimizer', 'the optimizer')}.step(): its state "
-                     f"({cg.meta.get('optimizer_state_bytes', 0)} bytes) is live throughout")
-    if cg.meta.get("accumulation_steps", 1) > 1:
-        notes.append(f"a micro-step of {cg.meta['accumulation_steps']}-step gradient accumulation: every gradient "
+        optimizer = facts.optimizer if facts.optimizer is not None else "the optimizer"
+        notes.append(f"the step ends with {optimizer}.step(): its state "
+                     f"({facts.optimizer_state_bytes} bytes) is live throughout")
+    if facts.accumulates:
+        notes.append(f"a micro-step of {facts.accumulation_steps}-step gradient accumulation: every gradient "
                      "is live from its start")
-    return replace(p, notes=tuple(notes), meta={**cg.meta, "peak_phase": timeline(cg, p.regions).phase})
+    return replace(p, notes=tuple(notes), meta=StepFacts.noted(cg.meta, peak_phase=timeline(cg, p.regions).phase))
 
 
 def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOptions = PlanOptions(),
@@ -436,7 +438,7 @@ def reuse_plan(cg: CostGraph, plan: Plan, budget_bytes: int, options: PlanOption
     (runtime.api)."""
     if not same_where_planned(tuple(c.name for c in cg.nodes), plan):
         return None
-    margin = 1.0 + replay_margin(options, cg.meta.get("device", "cpu"))
+    margin = 1.0 + replay_margin(options, StepFacts.of(cg.meta).device)
     pb = _Problem(cg, int(budget_bytes), options, [], None, {}, {}, measure, margin)
     predicted = pb.measured(plan.regions) if measure is not None else pb.predict(plan.regions)
     if predicted > budget_bytes:

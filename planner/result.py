@@ -5,9 +5,10 @@ Pure data (no torch): solvers return it, the simulator replays it, the rewriter 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import gb
+from .facts import StepFacts
 
 
 @dataclass(frozen=True)
@@ -89,23 +90,33 @@ class Plan:
     meta: dict = field(default_factory=dict)
     """What the capture, profile and runtime recorded: the graph's provenance (`trace_path`,
     `device`, input shapes), `peak_phase`, `cost_model`, and with `time=True` the measured
-    `timing`; read through the properties below."""
+    `timing`; its serialized form: read it typed as `facts`, and through the properties below."""
+
+    @property
+    def facts(self) -> StepFacts:
+        """`meta`, typed (planner/facts.py): what the capture, profile and runtime recorded."""
+        return StepFacts.of(self.meta)
+
+    def noting(self, **facts) -> "Plan":
+        """This plan with `facts` (StepFacts' field names) recorded in its meta."""
+        return replace(self, meta=StepFacts.noted(self.meta, **facts))
 
     @property
     def trace_path(self) -> str:
         """How the graph was captured: "fx", "fx with opaque leaves", "torch.export", "module tree"."""
-        return self.meta.get("trace_path", "fx")
+        return self.facts.trace_path
 
     @property
     def peak_phase(self) -> str:
         """The part of the step that holds the peak (simulated): forward, backward or optimizer step."""
-        return self.meta.get("peak_phase", "")
+        return self.facts.peak_phase
 
     @property
     def cost_model(self) -> str:
         """What estimated `recompute_s`: "roofline" (nominal rates) or "measured" (each op timed on
         the device: planner/costs.py; a module-tree plan's are its units' forwards, timed)."""
-        return self.meta.get("cost_model", "measured" if self.trace_path == "module tree" else "roofline")
+        facts = self.facts
+        return facts.cost_model or ("measured" if facts.trace_path == "module tree" else "roofline")
 
     @property
     def extra_compute_pct(self) -> float:
@@ -147,7 +158,7 @@ class Plan:
             f" estimated extra compute {self.extra_compute_pct:.1f}% of the forward ({self.cost_model} costs)",
             f"solver {self.solver}: {self.status}, {self.gap_text}, {self.solve_s:.2f} s",
             f"graph: {self.trace_path}" + "".join(f"; {p} not taken ({why})"
-                                                  for p, why in self.meta.get("trace_attempts", ())),
+                                                  for p, why in self.facts.trace_attempts),
         ]
         if not self.regions:
             lines.append("no checkpoint regions: the step fits the budget as it is")
@@ -159,6 +170,7 @@ class Plan:
         for mod, why in self.opaque:
             lines.append(f"  opaque module {mod}: {why}")
         lines.extend(f"  note: {n}" for n in self.notes)
-        if "timing" in self.meta:                # runtime.measure.timing, with plan_and_wrap(time=True)
-            lines.append(f"timed: {self.meta['timing']['text']}")
+        timing = self.facts.timing
+        if timing is not None:                   # runtime.measure.timing, with plan_and_wrap(time=True)
+            lines.append(f"timed: {timing['text']}")
         return "\n".join(lines)

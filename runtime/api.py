@@ -20,6 +20,7 @@ from remat.planner import PlanOptions, analyze, solve_plan
 from remat.planner.budget import Budget, as_budget
 from remat.planner.api import analyze_for, input_signature
 from remat.planner.errors import BudgetError, InfeasibleBudgetError, RematError, PlanMismatchError, TraceError
+from remat.planner.facts import StepFacts
 from remat.planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
 from remat.planner.profile import compute_nodes
 from remat.planner.result import Plan
@@ -58,10 +59,9 @@ class ExactReplay:
         # the profile's metered peak of the step without checkpointing, as `_replay` would add to
         # it: planner.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
         # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
-        meta = analysis.cost_graph.meta
-        self.unplanned_guess = None if meta.get("measured_peak_bytes") is None \
-            or meta.get("accumulation_steps", 1) > 1 else max(
-            meta["measured_peak_bytes"] + _held_throughout(meta), base_liveness(analysis.cost_graph).opt)
+        facts = self.facts = StepFacts.of(analysis.cost_graph.meta)
+        self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates else max(
+            facts.measured_peak_bytes + facts.held_throughout_bytes, base_liveness(analysis.cost_graph).opt)
 
     def __call__(self, regions) -> int:
         key = tuple(regions)
@@ -74,19 +74,13 @@ class ExactReplay:
     def _replay(self, regions) -> int:
         """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
         or the optimizer's step when that is higher (the same under every plan)."""
-        a, meta = self.analysis, self.analysis.cost_graph.meta
+        a, facts = self.analysis, self.facts
         with training_modes(self.model):             # the step planned is a training step (planner.state)
-            gm = rewrite(self.model, a.traced.gm, regions, self.names, meta, self.opaque)
+            gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
-                                    keep_output=meta.get("keep_output", False),
-                                    grads=meta.get("accumulation_steps", 1) > 1)
-        return max(replayed + _held_throughout(meta), base_liveness(a.cost_graph).opt)
-
-
-def _held_throughout(meta: dict) -> int:
-    """Bytes live through the whole step that a replay of forward and backward does not make: the
-    optimizer's state, the math libraries' workspaces (planner/workspace.py)."""
-    return meta.get("optimizer_state_bytes", 0) + meta.get("workspace_bytes", 0)
+                                    keep_output=facts.keep_output, grads=facts.accumulates)
+        # held throughout: the optimizer's state, the math libraries' workspaces (planner/workspace.py)
+        return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)
 
 
 def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:
@@ -365,7 +359,7 @@ class Remat:
     def time_plan(self, *args, **kwargs) -> Plan:
         """Time a training step under the plan for inputs like these against the unplanned step,
         on these inputs (runtime.measure.timing: interleaved rounds, medians, spread); the plan,
-        with the measured and the predicted overhead in `meta["timing"]` (and, for an eager graph,
+        with the measured and the predicted overhead in `facts.timing` (and, for an eager graph,
         each region's measured recompute), is returned and cached.
         Gradients, buffers and RNG states are as they were before."""
         plan = self.plan_for(*args, **kwargs)
@@ -389,7 +383,7 @@ class Remat:
             timing = step_timing(step(False), step(True), plan.recompute_s, plan.cost_model, device)
         if regions is not None:
             timing = replace(timing, region_recompute_s=regions.fastest())
-        plan = replace(plan, meta={**plan.meta, "timing": timing.to_dict()})
+        plan = plan.noting(timing=timing.to_dict())
         self._plans[self._last] = (plan,) + self._plans[self._last][1:]
         return plan
 
@@ -450,7 +444,7 @@ class Remat:
             return None
         log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
         self._resolved(plan.unplanned_peak_bytes)      # a '%' budget: the key held it, the plan resolved it
-        return (replace(plan, meta={**plan.meta, "cached": True}),) + made[1:]
+        return (plan.noting(cached=True),) + made[1:]
 
     def _planned(self, model, args, kwargs) -> tuple:
         try:
@@ -465,8 +459,7 @@ class Remat:
             p = plan_modules(model, args, {**kwargs, **extra}, self._loss_fn, self.budget, self._options, e.cause,
                              self._optimizer)
             if extra:
-                p = replace(p, meta={**p.meta, "extra_kwargs": extra},
-                            notes=p.notes + ("called with use_cache=False, as Hugging Face does under gradient "
+                p = replace(p.noting(extra_kwargs=extra), notes=p.notes + ("called with use_cache=False, as Hugging Face does under gradient "
                                              "checkpointing: the output carries no key/value cache",))
             self.solves += 1
             self._resolved(p.unplanned_peak_bytes)
@@ -491,8 +484,7 @@ class Remat:
         p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure,
                        floor_if_needed=True)
         spent = {**a.times, "solve": time.perf_counter() - t0 - measure.seconds, "replay": measure.seconds}
-        p = replace(p, meta={**p.meta, "plan_time": {**{k: round(v, 3) for k, v in spent.items()},
-                                                     "replays": len(measure.peaks)}})
+        p = p.noting(plan_time={**{k: round(v, 3) for k, v in spent.items()}, "replays": len(measure.peaks)})
         return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
     def _warn_once(self, what: str, message: str) -> None:
@@ -531,7 +523,7 @@ class Remat:
         p, gm, traced = self._plans[self._last]
         if gm is None:
             with checkpointing(model, [p.node_names[r.start] for r in p.regions]):
-                return original(*args, **{**p.meta.get("extra_kwargs", {}), **kwargs})
+                return original(*args, **{**p.facts.extra_kwargs, **kwargs})
         if gm.training != model.training:
             gm.train(model.training)
         with view_replay() if self._compile is None else contextlib.nullcontext():   # compiled: functional views
@@ -591,7 +583,7 @@ def _check_matches(plan: Plan, traced, named: dict) -> None:
     if len(planned) != len(names):
         raise PlanMismatchError(f"the plan covers {len(planned)} nodes, this model's graph has {len(names)}")
     got = input_signature(named)
-    for name, want in plan.meta.get("inputs", {}).items():
+    for name, want in plan.facts.inputs.items():
         if "shape" in want and (got.get(name, {}).get("shape"), got.get(name, {}).get("dtype")) != \
                 (want["shape"], want["dtype"]):
             have = got.get(name)
@@ -640,7 +632,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     what else to save; the plan's predicted peak is that measured peak.
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
-    them (`Remat.time_plan`): `plan.meta["timing"]`, and a line of `plan.summary()`, give the
+    them (`Remat.time_plan`): `plan.facts.timing`, and a line of `plan.summary()`, give the
     measured overhead beside the predicted one.
 
     Examples:

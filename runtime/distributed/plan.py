@@ -101,14 +101,14 @@ def wrap(model: torch.nn.Module, budget: Budget, args: tuple, kwargs: dict, loss
     _uninstall(model)
     cg, _, a = plan_step(model, args, kwargs, loss_fn, options, optimizer)
     plan = Plan.from_json(_agreed(lambda: _solve(cg, budget, options, a.traced.opaque)).to_json())
-    plan.meta["units"] = [c.unit for c in cg.nodes]
+    plan = plan.noting(units=[c.unit for c in cg.nodes])
     if engine(model) == "ddp":
         if plan.regions:
             inner = model.module
             names = tuple(c.name for c in cg.nodes)
-            _install(inner, rewrite(inner, a.traced.gm, plan.regions, names, plan.meta), a.traced)
+            _install(inner, rewrite(inner, a.traced.gm, plan.regions, names, plan.facts), a.traced)
     elif plan.regions:                                  # NOTE [ the root's graph ]
-        n = install(model, a.traced.gm, a.traced, plan, plan.meta["units"])
+        n = install(model, a.traced.gm, a.traced, plan, plan.facts.units)
         assert n == len(plan.regions), "a region was lost splitting the graph at its units"
     log.info("%s (%s, %d ranks): %d regions, predicted %.3f GB per rank", type(model).__name__, engine(model),
              _world(), len(plan.regions), plan.predicted_peak_bytes / 1e9)

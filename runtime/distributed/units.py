@@ -153,21 +153,21 @@ def _rebind(gm: fx.GraphModule, model: torch.nn.Module) -> None:
             gm._parameters[name] = model._parameters[name]
 
 
-def install(model: torch.nn.Module, flat: fx.GraphModule, traced: Traced, plan: Plan, units: list[str]) -> int:
+def install(model: torch.nn.Module, flat: fx.GraphModule, traced: Traced, plan: Plan, units: tuple[str, ...]) -> int:
     """The split graph (NOTE [ the root's graph ]) with the plan's regions, set as the forwards
     of `model` (the FSDP2 root) and its units; returns how many regions they run."""
     names = [n.name for n in compute_nodes(flat)]
     assert len(units) == len(names) + 1, "the plan is not of this graph (its nodes and the loss)"
     root_gm, parts = split(flat, units[:-1], model)
-    meta = plan.meta
+    facts = plan.facts
     n = 0
     for u, part in parts.items():
         regions, local = _local(plan, part, names)
         unit = model.get_submodule(u)
-        object.__setattr__(unit, "forward", SpanForward(unit, rewrite(model, part, regions, local, meta), model))
+        object.__setattr__(unit, "forward", SpanForward(unit, rewrite(model, part, regions, local, facts), model))
         n += len(regions)
     regions, local = _local(plan, root_gm, names)
-    gm = rewrite(model, root_gm, regions, local, meta)
+    gm = rewrite(model, root_gm, regions, local, facts)
     object.__setattr__(model, "forward", GraphForward(model, gm, traced))
     return n + len(regions)
 

@@ -40,7 +40,7 @@ class StepTiming:
         return (self.ratio - 1.0) * self.unplanned_s
 
     def to_dict(self) -> dict:
-        """Its fields and its `text()` (what Plan.summary prints), for a plan's meta["timing"]."""
+        """Its fields and its `text()` (what Plan.summary prints), for a plan's facts.timing."""
         return asdict(self) | {"text": self.text()}
 
     def text(self) -> str:

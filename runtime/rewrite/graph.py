@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from remat.planner.compat import force_original_view_tracking
 from remat.planner.errors import UnsafePlanError
+from remat.planner.facts import StepFacts
 from remat.planner.profile import compute_nodes, draws_random
 from remat.planner.result import Plan, Region
 from remat.planner.state import Snapshot
@@ -305,33 +306,33 @@ def _region_state(gm: fx.GraphModule, nodes: list[fx.Node], rewind) -> list[tupl
     return out
 
 
-def _rewind_rule(meta: dict):
+def _rewind_rule(facts: StepFacts):
     """Which buffers a region's recompute rewinds: those the profile saw the step write
-    (`mutated_buffers` in the CostGraph's meta); every buffer of the region when it does not say."""
-    mutated = meta.get("mutated_buffers")
-    return (lambda name: True) if mutated is None else frozenset(mutated).__contains__
+    (`StepFacts.mutated_buffers`); every buffer of the region when it does not say."""
+    mutated = facts.mutated_buffers
+    return (lambda name: True) if mutated is None else mutated.__contains__
 
 
 def rewrite_plan(model: torch.nn.Module, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """`rewrite` with a Plan's regions, node names, meta and opaque modules."""
-    return rewrite(model, gm, plan.regions, plan.node_names, plan.meta, tuple(m for m, _ in plan.opaque))
+    """`rewrite` with a Plan's regions, node names, facts and opaque modules."""
+    return rewrite(model, gm, plan.regions, plan.node_names, plan.facts, tuple(m for m, _ in plan.opaque))
 
 
 def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, ...], node_names: tuple[str, ...],
-            meta: dict | None = None, opaque: tuple[str, ...] = ()) -> fx.GraphModule:
+            meta: dict | StepFacts | None = None, opaque: tuple[str, ...] = ()) -> fx.GraphModule:
     """A GraphModule computing what `gm` (traced from `model`) does, with `regions` (over the
-    CostGraph's nodes, named `node_names`) checkpointed. `meta` is the CostGraph's (which buffers
-    the step writes, which custom ops are deterministic); `opaque`, the modules stood in for.
+    CostGraph's nodes, named `node_names`) checkpointed. `meta` is the CostGraph's (or its
+    StepFacts: which buffers the step writes, which custom ops are deterministic); `opaque`, the modules stood in for.
     Parameters, buffers and submodules are `model`'s own objects, by the same names.
     """
-    meta = meta or {}
+    facts = StepFacts.of(meta)
     regions = tuple(regions)
     nodes = compute_nodes(gm)
     names = [n.name for n in nodes]
     if list(node_names[:len(names)]) != names:
         raise ValueError("plan does not match this graph (was it made for another model or input shape?)")
     region_at = {r.start: (k, r) for k, r in enumerate(regions)}
-    rewind = _rewind_rule(meta)
+    rewind = _rewind_rule(facts)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     region_modules: dict[str, CheckpointRegion] = {}
@@ -345,7 +346,7 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, .
             k, r = region_at[i]
             name = f"remat_region_{k}"
             region_modules[name] = _region_call(graph, env, gm, nodes[r.start:r.end + 1], r, names, name, rewind,
-                                                meta, opaque)
+                                                facts.deterministic_ops, opaque)
             skip_until = r.end
             continue
         if n not in env:
@@ -356,7 +357,7 @@ def rewrite(model: torch.nn.Module, gm: fx.GraphModule, regions: tuple[Region, .
 
 
 def _region_call(graph: fx.Graph, env: dict, gm: fx.GraphModule, body: list[fx.Node], r: Region, names: list[str],
-                 name: str, rewind, meta: dict, opaque: tuple[str, ...]) -> "CheckpointRegion":
+                 name: str, rewind, deterministic_ops: frozenset[str], opaque: tuple[str, ...]) -> "CheckpointRegion":
     """Region `r` (its nodes `body`) as a CheckpointRegion called `name` from `graph`; its outputs
     are bound in `env`. Returns the region module."""
     saved = {names[j] for j in r.saved}
@@ -368,7 +369,7 @@ def _region_call(graph: fx.Graph, env: dict, gm: fx.GraphModule, body: list[fx.N
     rewound = tuple(j for j in buffer_args if rewind(inputs[j].target))
     _refuse_opaque_kept(opaque, body, saved)
     module = CheckpointRegion(sub_gm, [b.name for b in body], sorted(saved), _region_state(gm, body, rewind),
-                              buffer_args, rewound, frozenset(meta.get("deterministic_ops", ())))
+                              buffer_args, rewound, deterministic_ops)
     for a in inputs:
         if a.op == "get_attr" and a not in env:
             env[a] = graph.get_attr(a.target)
