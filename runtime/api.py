@@ -1,4 +1,9 @@
-"""plan_and_wrap(): the model a user trains, with checkpoint regions that fit the budget."""
+"""plan_and_wrap(): the model a user trains, with checkpoint regions that fit the budget.
+
+`Remat` (as `model.remat`) is the facade over the parts with one job each: the plans by input
+signature (runtime.book, keyed by runtime.signature), making a plan (runtime.planning), the
+budget resolved once (runtime.budget), and the forward runtime.dropin installs (`Remat.__call__`).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,155 +12,32 @@ import inspect
 import logging
 import pickle
 import sys
-import time
 import warnings
 from dataclasses import replace
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from remat.planner.compat import disable_current_modes as _disable_current_modes
-from remat.planner.compat import keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
+from remat.planner.compat import tree_flatten
 
-from remat.planner import PlanOptions, analyze, solve_plan
+from remat.planner import PlanOptions
 from remat.planner.budget import Budget, as_budget
-from remat.planner.api import analyze_for, input_signature
-from remat.planner.errors import BudgetError, InfeasibleBudgetError, RematError, PlanMismatchError, TraceError
-from remat.planner.facts import StepFacts
-from remat.planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
-from remat.planner.profile import compute_nodes
+from remat.planner.errors import BudgetError
 from remat.planner.result import Plan
-from remat.planner.simulate import base_liveness
-from remat.planner.rng import rng_preserved
-from remat.planner.state import instance_forwards, mode_key, state_preserved, training_modes
-from remat.planner.step import describe
-from remat.planner.trace import Unflatten, cache_off, capture
+from remat.planner.state import instance_forwards, training_modes
 
-from . import distributed, dropin, plan_cache
-from .measure import dry_run_peak, preserved, training_loss
+from . import distributed, dropin
+from .book import PlanBook
+from .budget import StepBudget
+from .measure import preserved, training_loss
 from .measure.timing import step_timing
-from .rewrite import (REGION_PROBE, CompiledReplay, RecomputeTimes, checkpointing, plan_modules, rewrite,
-                      rewrite_plan, view_replay)
+from .planning import ExactReplay, Setting, from_plan, plan_call
+from .rewrite import RecomputeTimes, checkpointing, view_replay
+from .signature import call_key
 
+__all__ = ["Remat", "plan_and_wrap", "apply", "remove", "trainer_keywords", "ExactReplay"]
 
 log = logging.getLogger("remat.runtime")
-
-
-class ExactReplay:
-    """The `planner.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
-    fake tensors (runtime.measure.replay).
-
-    Opaque modules (fake tensors cannot run them, or an RNN's kernel holds memory they do not
-    model) are stood in for by their measured behaviour, as in the profile (planner.opaque).
-    """
-    what = "the exact replay on fake tensors"
-    rounds = DEFAULT_ROUNDS
-
-    def __init__(self, model: torch.nn.Module, analysis, loss_fn):
-        self.model, self.analysis, self.loss_fn = model, analysis, analysis.fake_loss or loss_fn
-        self.opaque = tuple(m for m, _ in analysis.traced.opaque)
-        self.names = tuple(c.name for c in analysis.cost_graph.nodes)
-        self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
-        self.seconds = 0.0                      # spent replaying
-        # the profile's metered peak of the step without checkpointing, as `_replay` would add to
-        # it: planner.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
-        # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
-        facts = self.facts = StepFacts.of(analysis.cost_graph.meta)
-        self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates else max(
-            facts.measured_peak_bytes + facts.held_throughout_bytes, base_liveness(analysis.cost_graph).opt)
-
-    def __call__(self, regions) -> int:
-        key = tuple(regions)
-        if key not in self.peaks:
-            t0 = time.perf_counter()
-            self.peaks[key] = self._replay(key)
-            self.seconds += time.perf_counter() - t0
-        return self.peaks[key]
-
-    def _replay(self, regions) -> int:
-        """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
-        or the optimizer's step when that is higher (the same under every plan)."""
-        a, facts = self.analysis, self.facts
-        with training_modes(self.model):             # the step planned is a training step (planner.state)
-            gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
-            replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
-                                    keep_output=facts.keep_output, grads=facts.accumulates)
-        # held throughout: the optimizer's state, the math libraries' workspaces (planner/workspace.py)
-        return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)
-
-
-def _shape_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:
-    """What a plan depends on: tensor shapes, dtypes, devices and requires_grad; other values (by
-    value: `_value_key`); the autocast state (it changes activation dtypes, hence sizes); the
-    modes the training step runs its modules in (a graph bakes them in)."""
-    leaves, spec = tree_flatten((args, kwargs))
-    key = [str(spec), _autocast_state(), mode_key(model) if model is not None else (),
-           _parameter_key(model) if model is not None else ()]
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            key.append(_TensorKey(tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
-        else:
-            key.append(_value_key(x))
-    return tuple(key)
-
-
-class _TensorKey(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    requires_grad: bool
-
-
-def _covers(big: tuple, small: tuple) -> bool:
-    """`big` and `small` (`_shape_key`s) differ only in tensor sizes, each of `small`'s at most
-    `big`'s (NOTE [ covered shapes ] in Remat._covered)."""
-    if len(big) != len(small):
-        return False
-    for b, s in zip(big, small):
-        if isinstance(b, _TensorKey) and isinstance(s, _TensorKey):
-            if b._replace(shape=()) != s._replace(shape=()) or len(b.shape) != len(s.shape) \
-                    or any(j > i for i, j in zip(b.shape, s.shape)):
-                return False
-        elif b != s:
-            return False
-    return True
-
-
-def _parameter_key(model: torch.nn.Module) -> tuple:
-    """The parameters' dtypes and devices (`model.half()`, `.to(device)` change what a step holds)."""
-    return tuple(sorted({(str(p.dtype), p.device.type) for p in model.parameters()}))
-
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(Ellipsis))
-
-
-def _value_key(x, depth: int = 0):
-    """A non-tensor input by value: equal values share a plan, whatever their identity or repr.
-    Plain values stand for themselves; containers by their items; an object with its own
-    equality and hash by itself; any other object by its type and attributes (its default repr
-    carries its address, which would re-plan on every call)."""
-    if isinstance(x, _PLAIN) or depth > 4:
-        return (type(x).__name__, x) if isinstance(x, _PLAIN) else (type(x).__qualname__, id(x))
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__, tuple(_value_key(v, depth + 1) for v in x))
-    if isinstance(x, dict):
-        return ("dict", tuple((repr(k), _value_key(v, depth + 1)) for k, v in x.items()))
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
-    cls = type(x)
-    if cls.__eq__ is not object.__eq__ and cls.__hash__ is not None:
-        try:
-            hash(x)
-            return (cls.__qualname__, x)
-        except TypeError:
-            pass
-    attrs = getattr(x, "__dict__", None)
-    if attrs is None:
-        return (cls.__qualname__, repr(x))
-    return (cls.__module__, cls.__qualname__, tuple(sorted((k, _value_key(v, depth + 1)) for k, v in attrs.items())))
-
-
-def _autocast_state() -> tuple:
-    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 class Remat:
@@ -169,22 +51,28 @@ class Remat:
     anew, and that is logged. In eval mode or without gradients the model's own forward runs.
     """
 
-    def __init__(self, model: torch.nn.Module, budget: Budget, loss_fn: Callable | None,
+    def __init__(self, model: torch.nn.Module, budget: Budget | StepBudget, loss_fn: Callable | None,
                  options: PlanOptions, compile: dict | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.model = model
-        self.budget = budget                   # Budget("bytes", ...) once the first plan resolved it
+        self._budget = StepBudget.of(budget)
         self._loss_fn, self._options = loss_fn, options
         self._compile = compile                # torch.compile kwargs: plans are for the compiled step
         self._optimizer = optimizer            # its state and step are in the budget
-        self._plans: dict[tuple, tuple[Plan, torch.nn.Module, object]] = {}   # key -> plan, graph, Traced
-        self._last: tuple | None = None
+        self._book = PlanBook()                # the plans, by input signature
         self._bypass = 0                       # > 0 while remat itself runs the model (capture, timing)
         self._warned: set[str] = set()
         self.forward: dropin.PlannedForward | None = None   # set by dropin.install
-        self.solves = 0                        # plans made by a solve (not kept from other inputs)
+
+    @property
+    def budget(self) -> Budget:
+        """The budget: as given, a '%' one as bytes once the first plan resolved it."""
+        return self._budget.budget
+
+    @property
+    def solves(self) -> int:
         """How many plans this run made by a solve (not those kept from other inputs or taken
         from the plan cache)."""
-        self._largest: dict[str, tuple] = {}    # input (by keyword path) -> largest sizes planned for
+        return self._book.solves
 
     def __getstate__(self):
         """Pickled (torch.save) without its plans: they hold traced graphs, and are made again for
@@ -192,7 +80,7 @@ class Remat:
         is left out, with a warning: the loaded model then plans with the stand-in loss (room for
         a tensor of the output's size) until `set_loss_fn` gives it one."""
         state = dict(self.__dict__)
-        state["_plans"], state["_last"], state["_bypass"], state["_largest"] = {}, None, 0, {}
+        state["_book"], state["_bypass"] = PlanBook(self._book.solves), 0
         if self._loss_fn is not None:
             try:
                 pickle.dumps(self._loss_fn)
@@ -208,24 +96,16 @@ class Remat:
         plans made here, with no capture and no solve."""
         new = object.__new__(type(self))
         memo[id(self)] = new
-        for spec in self._tree_specs():     # immutable, and torch warns when one is deep-copied
+        for spec in self._book.tree_specs():     # immutable, and torch warns when one is deep-copied
             memo[id(spec)] = spec
         for k, v in self.__dict__.items():
             new.__dict__[k] = v if k == "_loss_fn" else copy.deepcopy(v, memo)
         return new
 
-    def _tree_specs(self) -> list:
-        """The pytree specs of the plans' exported graphs (inputs, and outputs as `Unflatten` holds them)."""
-        out = []
-        for _, gm, traced in self._plans.values():
-            out += [traced.in_spec] if traced is not None and traced.in_spec is not None else []
-            for g in (gm, traced and traced.gm):
-                out += [m.spec for m in (g.modules() if g is not None else ()) if isinstance(m, Unflatten)]
-        return out
-
     def set_loss_fn(self, loss_fn: Callable | None) -> None:
         """The loss the plans are made for; plans made for another loss are dropped."""
-        self._loss_fn, self._plans, self._last = loss_fn, {}, None
+        self._loss_fn = loss_fn
+        self._book.forget()
 
     def remove(self) -> torch.nn.Module:
         """Take the plan out of the model, as `remat.remove(model)` does; returns the model as it was."""
@@ -235,15 +115,13 @@ class Remat:
     def plan(self) -> Plan:
         """The plan of the latest training call (or `plan_for`, `use_plan`); RuntimeError before
         the first."""
-        if self._last is None:
-            raise RuntimeError("no plan yet: the model plans at its first training call")
-        return self._plans[self._last][0]
+        return self._book.current.plan
 
     @property
     def plans(self) -> dict[tuple, Plan]:
         """Every plan of this run, by input signature (shapes, dtypes, devices, keyword values,
         autocast and modes)."""
-        return {k: v[0] for k, v in self._plans.items()}
+        return self._book.plans()
 
     @contextlib.contextmanager
     def bypassed(self):
@@ -256,21 +134,19 @@ class Remat:
         finally:
             self._bypass -= 1
 
+    def _setting(self) -> Setting:
+        return Setting(self.model, self._loss_fn, self._options, self._compile, self._optimizer, self.bypassed)
+
     def plan_for(self, *args, **kwargs) -> Plan:
         """Plan (or fetch the cached plan) for inputs like these, without running the model."""
-        model = self.model
         self._take_over()
-        key = _shape_key(args, kwargs, model)
-        if key not in self._plans:
-            try:
-                # planning inside a user's dispatch mode (a memory meter around the step) is not seen by it
-                with self.bypassed(), _disable_current_modes():
-                    self._plans[key] = self._covered(key, args, kwargs) or self._grown(key, args, kwargs) \
-                        or self._make_plan(model, args, kwargs)
-            except InfeasibleBudgetError as e:     # sizes in the unit the budget was written in
-                raise e.in_unit(self.budget.unit) from None
-        self._last = key
-        return self._plans[key][0]
+        key = call_key(args, kwargs, self.model)
+        if key not in self._book:
+            # planning inside a user's dispatch mode (a memory meter around the step) is not seen by it;
+            # an infeasible budget's sizes in the unit the budget was written in
+            with self._budget.errors_spelled(), self.bypassed(), _disable_current_modes():
+                self._book.add(key, plan_call(self._setting(), self._budget, self._book, key, args, kwargs))
+        return self._book.use(key)
 
     def plan_up_front(self, args: tuple, kwargs: dict) -> Plan:
         """`plan_for` the example call, and the call Hugging Face's Trainer will make of it
@@ -279,82 +155,22 @@ class Remat:
         plan = self.plan_for(*args, **kwargs)
         extra = trainer_keywords(self.model, kwargs)
         if extra:
-            last = self._last
+            last = self._book.last
             try:
                 self.plan_for(*args, **kwargs, **extra)
             except Exception as e:    # noqa: BLE001 - a call the user did not make: it plans when made, if ever
                 log.info("%s: the call Trainer makes (%s) was not planned ahead (%s: %s)", type(self.model).__name__,
                          ", ".join(extra), type(e).__name__, e)
-            self._last = last
+            self._book.last = last
         return plan
-
-    def _covered(self, key: tuple, args: tuple, kwargs: dict) -> tuple | None:
-        """The plan of a larger call of the same kind (every input dimension at least as large:
-        the longest padded batch), applied to this one's graph, or None. NOTE [ covered shapes ]:
-        every tensor of a step grows with its inputs' dimensions, so a plan that fits the larger
-        call fits this one. A module-tree plan and an fx graph serve it as they are; an exported
-        graph (its shapes baked in) is captured again. Nothing is profiled or solved."""
-        model = self.model
-        for big, (plan, gm, traced) in self._plans.items():
-            if self._compile is not None or not _covers(big, key):
-                continue
-            if traced is None or traced.in_spec is None:   # the module tree, or fx (sizes read at run time)
-                return plan, gm, traced
-            if traced.shapes is not None and traced.shapes.admits(traced.inputs(model, args, kwargs)):
-                return plan, gm, traced       # exported with dynamic sizes, these among them: no capture
-            traced, _ = self._capture(args, kwargs)
-            if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
-                return None        # another graph at this shape (a branch on a size): planned as new
-            log.info("%s: inputs %s are covered by the plan made for larger ones: kept", type(model).__name__,
-                     describe((args, kwargs)))
-            return plan, rewrite_plan(model, traced.gm, plan), traced
-        return None
-
-    def _grown(self, key: tuple, args: tuple, kwargs: dict) -> tuple | None:
-        """A call of a new kind (another keyword, autocast) at sizes below the largest this run has
-        planned (a padded batch shorter than the longest): planned once at those largest sizes,
-        then applied here as a covered call, so that the run's later batches of this kind keep it.
-        None when no input grows, or the grown call's graph is not this one's."""
-        g_args, g_kwargs = _grow(args, kwargs, self._largest)
-        if g_args is None:
-            return None
-        g_key = _shape_key(g_args, g_kwargs, self.model)
-        if g_key not in self._plans:
-            try:
-                self._plans[g_key] = self._make_plan(self.model, g_args, g_kwargs)
-            except RematError as e:       # the grown call does not plan: this one is planned as it is
-                log.info("%s: no plan at the run's largest sizes (%s); planning these inputs as they are",
-                         type(self.model).__name__, e)
-                return None
-        return self._covered(key, args, kwargs)
-
-    def _capture(self, args: tuple, kwargs: dict, opaque: dict | None = None, skip: dict | None = None):
-        """(Traced, named inputs) of the model's own forward on these inputs, its state untouched;
-        `opaque`: submodules to capture as opaque fx leaves (those of the plan the graph is for);
-        `skip`: capture paths not to take."""
-        model = self.model
-        with self.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
-            traced = capture(model, args, kwargs, opaque or None, skip)
-            return traced, traced.inputs(model, args, kwargs)
 
     def use_plan(self, plan: Plan, *args, **kwargs) -> Plan:
         """Train inputs like these with `plan` (made elsewhere: `Plan.from_json`), without
         re-planning. Raises PlanMismatchError, saying what differs, when the model's graph or the
         inputs are not the ones the plan was made for."""
-        model = self.model
-        key = _shape_key(args, kwargs, model)
-        if plan.trace_path == "module tree":
-            missing = [n for n in plan.node_names if n not in dict(model.named_modules())]
-            if missing:
-                raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
-            self._plans[key] = (plan, None, None)
-        else:
-            # a plan's opaque modules are leaves again (the profile may have made some after capture)
-            traced, named = self._capture(args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx") else None)
-            _check_matches(plan, traced, named)
-            self._plans[key] = (plan, rewrite_plan(model, traced.gm, plan), traced)
-        self._last = key
-        return plan
+        key = call_key(args, kwargs, self.model)
+        self._book.add(key, from_plan(self._setting(), plan, args, kwargs))
+        return self._book.use(key)
 
     def time_plan(self, *args, **kwargs) -> Plan:
         """Time a training step under the plan for inputs like these against the unplanned step,
@@ -375,7 +191,7 @@ class Remat:
                 training_loss(out, loss_fn).backward()
             return run
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
-        gm = self._plans[self._last][1]
+        gm = self._book.current.gm
         eager_graph = gm is not None and self._compile is None     # regions to time one by one
         # a training step, in the modes planned for (planner.state.training_modes)
         with training_modes(model), preserved(model), \
@@ -384,108 +200,8 @@ class Remat:
         if regions is not None:
             timing = replace(timing, region_recompute_s=regions.fastest())
         plan = plan.noting(timing=timing.to_dict())
-        self._plans[self._last] = (plan,) + self._plans[self._last][1:]
+        self._book.retimed(plan)
         return plan
-
-    def _resolved(self, unplanned_bytes: int | None) -> int:
-        """The budget in bytes; a '%' budget is resolved by the first plan and fixed from then on."""
-        if self.budget.kind != "bytes":
-            self.budget = Budget("bytes", float(self.budget.bytes_of(unplanned_bytes)), self.budget.unit)
-        return int(self.budget.value)
-
-    def _make_plan(self, model, args, kwargs) -> tuple:
-        """(plan, graph to run or None for the module tree, Traced) for inputs like these; their
-        sizes join the largest this run has planned for (`_grown`)."""
-        made = self._new_plan(model, args, kwargs)
-        for path, x in tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(x, torch.Tensor):
-                name = keystr(path)
-                old = self._largest.get(name)
-                self._largest[name] = tuple(x.shape) if old is None or len(old) != x.dim() else \
-                    tuple(max(a, b) for a, b in zip(old, x.shape))
-        return made
-
-    def _new_plan(self, model, args, kwargs) -> tuple:
-        """(plan, graph, Traced) for inputs like these: from the plan cache (runtime/plan_cache.py)
-        when this call was planned before, in any process, else made and cached."""
-        if self._compile is not None or not plan_cache.enabled(self._options):
-            return self._planned(model, args, kwargs)
-        parts = plan_cache.key_parts(model, _shape_key(args, kwargs, model), self.budget, self._loss_fn,
-                                     self._options, self._optimizer)
-        cache = plan_cache.PlanCache()
-        hit = cache.load(parts)
-        if hit is not None:
-            made = self._cached(hit[0], hit[1], args, kwargs)
-            if made is not None:
-                return made
-        made = self._planned(model, args, kwargs)
-        cache.store(parts, made[0], plan_cache.graph_hash(None if made[2] is None else made[2].gm))
-        return made
-
-    def _cached(self, plan: Plan, graph: str, args: tuple, kwargs: dict) -> tuple | None:
-        """The cached `plan` on this call's graph, or None (logged) when the graph captured now is
-        not the one it was made on."""
-        model = self.model
-        try:
-            if plan.trace_path == "module tree":
-                if graph != "module tree":
-                    raise PlanMismatchError("the entry's plan is for the module tree, its graph is not")
-                made = (plan, None, None)
-            else:
-                skip = {"fx": "the cached plan's graph"} if plan.trace_path == "torch.export" else None
-                traced, named = self._capture(args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx")
-                                              else None, skip)
-                if plan_cache.graph_hash(traced.gm) != graph:
-                    raise PlanMismatchError("the graph captured now is not the one the plan was made on")
-                _check_matches(plan, traced, named)
-                made = (plan, rewrite_plan(model, traced.gm, plan), traced)
-        except (RematError, PlanMismatchError) as e:
-            log.warning("%s: plan cache entry not used (%s); planning anew", type(model).__name__, e)
-            return None
-        log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
-        self._resolved(plan.unplanned_peak_bytes)      # a '%' budget: the key held it, the plan resolved it
-        return (plan.noting(cached=True),) + made[1:]
-
-    def _planned(self, model, args, kwargs) -> tuple:
-        try:
-            a = analyze_for(model, args, kwargs, self._loss_fn, self._options, self._optimizer, REGION_PROBE)
-        except TraceError as e:             # no graph at all: plan over the module tree
-            if self._compile is not None:
-                raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
-                                          "compile (the module tree is planned, eagerly)") from e
-            log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
-                        type(model).__name__, e.cause)
-            extra = cache_off(model, args, kwargs)      # as Hugging Face's own checkpointing does
-            p = plan_modules(model, args, {**kwargs, **extra}, self._loss_fn, self.budget, self._options, e.cause,
-                             self._optimizer)
-            if extra:
-                p = replace(p.noting(extra_kwargs=extra), notes=p.notes + ("called with use_cache=False, as Hugging Face does under gradient "
-                                             "checkpointing: the output carries no key/value cache",))
-            self.solves += 1
-            self._resolved(p.unplanned_peak_bytes)
-            return p, None, None
-        budget_bytes = self._resolved(unplanned_peak_bytes(a.cost_graph, self._options))
-        if self._compile is not None:
-            self.solves += 1
-            return _plan_compiled(model, a, budget_bytes, self._loss_fn, self._options, self._compile)
-        measure = ExactReplay(model, a, self._loss_fn)
-        for old, _, traced in list(self._plans.values()):
-            if traced is not None and traced.path == a.traced.path:
-                p = reuse_plan(a.cost_graph, old, budget_bytes, self._options, measure)
-                if p is not None:
-                    log.info("%s: the plan made at other inputs fits these (predicted %d of %d bytes): kept",
-                             type(model).__name__, p.predicted_peak_bytes, budget_bytes)
-                    return p, rewrite_plan(model, a.traced.gm, p), a.traced
-        if self._plans:
-            log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
-                        type(model).__name__, describe((args, kwargs)), budget_bytes)
-        self.solves += 1
-        t0 = time.perf_counter()
-        p = solve_plan(a.cost_graph, budget_bytes, self._options, a.traced.opaque, measure=measure,
-                       floor_if_needed=True)
-        spent = {**a.times, "solve": time.perf_counter() - t0 - measure.seconds, "replay": measure.seconds}
-        p = p.noting(plan_time={**{k: round(v, 3) for k, v in spent.items()}, "replays": len(measure.peaks)})
-        return p, rewrite_plan(model, a.traced.gm, p), a.traced
 
     def _warn_once(self, what: str, message: str) -> None:
         """`message` once per run and kind of event, as one Python warning (a user's pytest and
@@ -520,7 +236,7 @@ class Remat:
                                     "model.train() to train, or run inference under torch.no_grad()")
             return original(*args, **kwargs)
         self.plan_for(*args, **kwargs)
-        p, gm, traced = self._plans[self._last]
+        p, gm, traced = self._book.current
         if gm is None:
             with checkpointing(model, [p.node_names[r.start] for r in p.regions]):
                 return original(*args, **{**p.facts.extra_kwargs, **kwargs})
@@ -545,59 +261,6 @@ def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
     if accepts is None:
         accepts = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
     return {"num_items_in_batch": labels.ne(-100).sum().to(torch.get_default_dtype())} if accepts else {}
-
-
-def _grow(args: tuple, kwargs: dict, largest: dict[str, tuple]) -> tuple:
-    """(args, kwargs) with each tensor grown to the largest sizes its input (by keyword path) had
-    in a planned call, repeating its last slice along each grown dimension (a padded batch stays
-    one: masks keep their values' kind); (None, None) when none grows."""
-    grew = False
-
-    def grow(path, x):
-        nonlocal grew
-        big = largest.get(keystr(path)) if isinstance(x, torch.Tensor) else None
-        if big is None or len(big) != x.dim() or any(b < n for b, n in zip(big, x.shape)):
-            return x
-        for d, (b, n) in enumerate(zip(big, x.shape)):
-            if b > n and n > 0:
-                grew = True
-                x = x.index_select(d, torch.arange(b, device=x.device).clamp_(max=n - 1))
-        return x
-    out = tree_map_with_path(grow, (args, kwargs))
-    return out if grew else (None, None)
-
-
-def _check_matches(plan: Plan, traced, named: dict) -> None:
-    """The captured graph and inputs are the plan's: same capture path, nodes (names, in order,
-    and what they call) and input shapes and dtypes; else a PlanMismatchError naming the first
-    difference."""
-    if traced.path != plan.trace_path:
-        raise PlanMismatchError(f"the plan was made on a graph captured by {plan.trace_path}; this model is "
-                                f"captured by {traced.path}")
-    names = [n.name for n in compute_nodes(traced.gm)]
-    planned = list(plan.node_names[:len(plan.node_names) - 1])      # the last node is the loss
-    for i, (a, b) in enumerate(zip(planned, names)):
-        if a != b:
-            raise PlanMismatchError(f"the graph differs from the plan's at node {i}: the plan has {a!r}, this "
-                                    f"model {b!r} (another model, config or code version?)")
-    if len(planned) != len(names):
-        raise PlanMismatchError(f"the plan covers {len(planned)} nodes, this model's graph has {len(names)}")
-    got = input_signature(named)
-    for name, want in plan.facts.inputs.items():
-        if "shape" in want and (got.get(name, {}).get("shape"), got.get(name, {}).get("dtype")) != \
-                (want["shape"], want["dtype"]):
-            have = got.get(name)
-            raise PlanMismatchError(f"input {name!r}: the plan was made for shape {want['shape']} {want['dtype']}, "
-                                    f"got {have and have.get('shape')} {have and have.get('dtype')}")
-
-
-def _plan_compiled(model, a, budget_bytes, loss_fn, options, compile_kwargs):
-    """A plan for the compiled step (runtime.rewrite.compiled): plain regions only (a SAC policy cannot be
-    compiled into the graph), each plan tried measured compiled; (plan, compiled graph, Traced)."""
-    replay = CompiledReplay(model, a, loss_fn, compile_kwargs)
-    options = replace(options, solve=replace(options.solve, sac=False))
-    p = solve_plan(a.cost_graph, budget_bytes, options, a.traced.opaque, measure=replay)
-    return p, replay.module(p.regions), a.traced
 
 
 def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None, example_kwargs=None,

@@ -126,7 +126,7 @@ def _version() -> str:
 
 
 def key_parts(model, signature, budget, loss_fn, options, optimizer) -> dict:
-    """Everything a plan depends on, as JSON (`signature`: runtime.api._shape_key of the call)."""
+    """Everything a plan depends on, as JSON (`signature`: runtime.signature.call_key of the call)."""
     return {"format": FORMAT, "remat": _version(), "torch": torch.__version__,
             "model": _model_part(model), "call": repr(signature), "budget": [budget.kind, budget.value],
             "loss": _callable_part(loss_fn), "optimizer": _optimizer_part(optimizer), "options": _plain(options)}

@@ -17,12 +17,12 @@ from typing import Callable
 import torch
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze
-from remat.planner.budget import as_budget, size_text
 from remat.planner.fit import unplanned_peak_bytes
 from remat.planner.result import Plan
+from remat.planner.units import size_text
 
-from .cli.session import Loaded, measure_peak_bytes, solve_budget, split_inputs
-
+from .budget import StepBudget
+from .steps import Loaded, measure_peak_bytes, solve_budget, split_inputs
 
 def assert_fits(model: torch.nn.Module, inputs, budget_gb, loss_fn: Callable | None = None,
                 measure: bool = False, *, time_limit_s: float = SolveOptions.time_limit_s) -> Plan:
@@ -50,20 +50,20 @@ def assert_fits(model: torch.nn.Module, inputs, budget_gb, loss_fn: Callable | N
             assert plan.extra_compute_pct < 25
         ```
     """
-    budget = as_budget(budget_gb)
+    budget = StepBudget.of(budget_gb)
     args, kwargs = split_inputs(inputs)
     loaded = Loaded(model, args, kwargs, loss_fn, type(model).__name__)
     analysis = analyze(model, args, kwargs, loss_fn)
     options = PlanOptions(solve=SolveOptions(time_limit_s=time_limit_s))
-    budget_bytes = budget.bytes_of(unplanned_peak_bytes(analysis.cost_graph, options))
+    budget_bytes = budget.resolve(unplanned_peak_bytes(analysis.cost_graph, options))
     try:
         plan = solve_budget(loaded, analysis, budget_bytes, options)
     except InfeasibleBudgetError as e:
-        raise AssertionError(f"{loaded.label} does not fit: {e.in_unit(budget.unit)}") from None
+        raise AssertionError(f"{loaded.label} does not fit: {budget.spelled(e)}") from None
     if measure:
         measured_bytes = measure_peak_bytes(loaded, analysis, plan)
         if measured_bytes > budget_bytes:
             raise AssertionError(f"{loaded.label}: measured peak {size_text(measured_bytes)} is over the budget "
-                                 f"{size_text(budget_bytes, budget.unit)} (predicted "
-                                 f"{size_text(plan.predicted_peak_bytes, budget.unit)})")
+                                 f"{budget.size_text(budget_bytes)} (predicted "
+                                 f"{budget.size_text(plan.predicted_peak_bytes)})")
     return plan

@@ -377,7 +377,7 @@ def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
     """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/fit.py
     NOTE [ floor if needed ]): a plan that fits has none; a budget below the floor is refused with
     the floor the search as it was (always searched) finds, and that floor, typed back in, fits."""
-    import remat.runtime.api as api
+    import remat.runtime.planning as api      # where plan_and_wrap's solves are made
     ex = examples.EXAMPLES["mlp"]()
     unplanned = plan(ex.model, 1e3, example_inputs=ex.inputs, options=FAST).unplanned_peak_bytes
     w = plan_and_wrap(copy.deepcopy(ex.model), unplanned * 0.6 / 1e9, example_inputs=ex.inputs, options=FAST)

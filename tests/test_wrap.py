@@ -74,7 +74,7 @@ def test_budget_above_unplanned_peak_means_no_regions(case):
                             loss_fn=c.example.loss_fn, options=FAST)
     assert wrapped.remat.plan.regions == ()
     assert wrapped.remat.plan.solver == "none"
-    gm = wrapped.remat._plans[wrapped.remat._last][1]
+    gm = wrapped.remat._book.current.gm
     assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("remat_region")]
     out_ref, _ = train_step(ref, c.example)
     out, _ = train_step(wrapped, c.example)

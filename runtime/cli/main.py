@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,7 @@ from typing import Callable
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     from remat.planner import Analysis, CostGraph, InfeasibleBudgetError, PlanOptions, SolveOptions, solve_plan
-    from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text, to_bytes
+    from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text
     from remat.planner.errors import BudgetError
     from remat.planner.result import Plan
     from remat.planner.rng import rng_preserved
@@ -39,9 +39,11 @@ with warnings.catch_warnings():
     from . import plots
     from ..distributed import per_rank_analysis
     from .report import report_text, segments, table
-    from .session import (Loaded, UsageError, hf_config_model, load_model, make_optimizer, measure_extra_pct,
-                          measure_peak_bytes, model_code, profile_model, solve_budget, time_plan,
-                          unplanned_peak_bytes)
+    from remat.planner.fit import unplanned_peak_bytes
+
+    from ..budget import StepBudget
+    from ..steps import Loaded, measure_extra_pct, measure_peak_bytes, solve_budget, time_plan
+    from .session import UsageError, hf_config_model, load_model, make_optimizer, model_code, profile_model
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
 
@@ -120,17 +122,17 @@ def _per_rank(a, loaded: Loaded, say) -> Analysis:
 
 
 def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
-    budget = parse_budget(a.budget)
+    budget = StepBudget(parse_budget(a.budget))
     loaded, analysis = _profile(a, say)
-    budget_bytes = to_bytes(budget, unplanned_peak_bytes(analysis.cost_graph, _options(a)))
-    given = budget.text()
-    size = size_text(budget_bytes, budget.unit)
+    budget_bytes = budget.resolve(unplanned_peak_bytes(analysis.cost_graph, _options(a)))
+    given = budget.asked.text()
+    size = budget.size_text(budget_bytes)
     say(f"solving for {size}{'' if given == size else f' ({given})'} ...")
     return loaded, analysis, budget_bytes
 
 
 def _does_not_fit(a, e: InfeasibleBudgetError, label: str) -> None:
-    e = e.in_unit(parse_budget(a.budget).unit)           # the floor in the unit the budget was written in
+    e = StepBudget(parse_budget(a.budget)).spelled(e)     # the floor in the unit the budget was written in
     print(_json({"fits": False, "model": label, "budget_bytes": e.budget_bytes,
                  "min_feasible_bytes": e.min_feasible_bytes, "reason": str(e)})
           if a.json else f"FAIL: does not fit: {e}")
@@ -161,7 +163,7 @@ def cmd_report(a, say) -> int:
     loaded, analysis, plan = solved
     if a.time:
         say("timing the planned step against the unplanned one ...")
-        plan = replace(plan, meta={**plan.meta, "timing": time_plan(loaded, analysis, plan).to_dict()})
+        plan = plan.noting(timing=time_plan(loaded, analysis, plan).to_dict())
     segs = segments(analysis.cost_graph, plan, _options(a))
     if a.json:
         print(_json({"fits": True, "model": loaded.label, "plan": asdict(plan),
@@ -236,7 +238,7 @@ def _sweep_table(points: list[SweepPoint], unplanned_bytes: int, measured: bool)
 
 
 def _sweep_budgets(a, unplanned_bytes: int) -> list[int]:
-    lo, hi = (to_bytes(b, unplanned_bytes) for b in parse_budget_range(a.budgets))
+    lo, hi = (StepBudget(b).resolve(unplanned_bytes) for b in parse_budget_range(a.budgets))
     if lo >= hi:
         raise UsageError(f"--budgets {a.budgets!r}: the low end {size_text(lo)} must be below "
                          f"the high end {size_text(hi)}")

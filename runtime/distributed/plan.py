@@ -11,10 +11,10 @@ from remat.planner import PlanOptions, solve_plan
 from remat.planner.api import analyze_for
 from remat.planner.budget import Budget
 from remat.planner.distributed import Sharding, per_rank
-from remat.planner.errors import InfeasibleBudgetError
 from remat.planner.fit import unplanned_peak_bytes
 from remat.planner.result import Plan
 
+from ..budget import StepBudget
 from ..rewrite import REGION_PROBE, rewrite
 from .fsdp import _world, engine, fsdp_sharding, log, plain_copy
 from .units import GraphForward, SpanForward, _install, install
@@ -40,11 +40,9 @@ def _agreed(solve: Callable[[], Plan]) -> Plan:
 
 def _solve(cg, budget: Budget, options: PlanOptions, opaque) -> Plan:
     """The per-rank plan (the simulator's prediction); an infeasible budget in the budget's unit."""
-    budget_bytes = budget.bytes_of(unplanned_peak_bytes(cg, options))
-    try:
-        return solve_plan(cg, budget_bytes, options, opaque)
-    except InfeasibleBudgetError as e:
-        raise e.in_unit(budget.unit) from None
+    budget = StepBudget.of(budget)
+    with budget.errors_spelled():
+        return solve_plan(cg, budget.resolve(unplanned_peak_bytes(cg, options)), options, opaque)
 
 
 def plan_step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | None,

@@ -15,7 +15,6 @@ import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from remat.planner import PlanOptions
-from remat.planner.budget import Budget
 from remat.planner.optimizer import optimizer_memory
 from remat.planner.errors import InfeasibleBudgetError
 from remat.planner.fit import replay_margin
@@ -24,6 +23,7 @@ from remat.planner.result import Plan, Region
 from remat.planner.state import instance_forwards, step_preserved, training_modes
 from remat.planner.step import run_step, training_loss
 
+from ..budget import StepBudget
 from ..measure import peak_memory
 from .graph import rewinding
 
@@ -54,6 +54,9 @@ def measure_step(model, args, kwargs, loss_fn, names, grads: bool = False, keep_
     `grads`: every trainable parameter starts with a gradient (gradient accumulation);
     `keep_output`: the output is held through backward (PlanOptions.keep_output)."""
     def step():
+        # a step in a fresh autocast context: the weight casts an outer one cached during earlier
+        # measured steps would be made (and counted) in the user's step (fuzz seed 20649)
+        torch.clear_autocast_cache()
         run_step(lambda: model(*args, **kwargs), lambda out: training_loss(out, loss_fn), keep_output=keep_output)
     with step_preserved(model, (args, kwargs)), checkpointing(model, names):
         for p in model.parameters():
@@ -102,17 +105,17 @@ def _refuses(step) -> bool:
     return False
 
 
-def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
+def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, options: PlanOptions,
                  why: str, optimizer=None) -> Plan:
     """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
-    the modes of the training step (planner.state). A fraction `budget` is of the measured
-    unplanned step. With `optimizer`, its state is added to each
+    the modes of the training step (planner.state). A '%' `budget` is resolved at the measured
+    unplanned step (runtime.budget). With `optimizer`, its state is added to each
     measured step and its step (planner.optimizer) is a phase of its own."""
     with training_modes(model):
         return _plan_modules(model, args, kwargs, loss_fn, budget, options, why, optimizer)
 
 
-def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, options: PlanOptions,
+def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, options: PlanOptions,
                   why: str, optimizer=None) -> Plan:
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):     # the same profile in every run (planner.modules)
@@ -144,7 +147,7 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: Budget, opt
             return measured(chosen)
 
     unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
-    budget_bytes = budget.bytes_of(unplanned)
+    budget_bytes = budget.resolve(unplanned)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
                 forward_s=prof.forward_s, node_names=tuple(names),
                 meta={"trace_path": PATH, "trace_attempts": [["fx and torch.export", why]]},

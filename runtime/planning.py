@@ -1,0 +1,303 @@
+"""Making a run's plans (runtime.api.Remat's planning steps): capture and profile the call
+(planner.analyze_for), then keep a plan made at other inputs that still fits (planner.fit.reuse_plan),
+else solve, every candidate replayed exactly on fake tensors (`ExactReplay`); the plan cache
+(runtime/plan_cache.py) first; the module tree when there is no graph (runtime.rewrite.module_tree);
+the compiled step in compile mode (runtime.rewrite.compiled). Each returns an `Entry`
+(runtime.book) and whether a solve made it."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Callable, ContextManager, NamedTuple
+
+import torch
+
+from remat.planner import PlanOptions, solve_plan
+from remat.planner.api import Analysis, analyze_for, input_signature
+from remat.planner.errors import PlanMismatchError, RematError, TraceError
+from remat.planner.facts import StepFacts
+from remat.planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
+from remat.planner.profile import compute_nodes
+from remat.planner.result import Plan
+from remat.planner.rng import rng_preserved
+from remat.planner.simulate import base_liveness
+from remat.planner.state import state_preserved, training_modes
+from remat.planner.step import describe
+from remat.planner.trace import Traced, cache_off, capture
+
+from . import plan_cache
+from .book import Entry, PlanBook
+from .budget import StepBudget
+from .measure import dry_run_peak
+from .rewrite import REGION_PROBE, CompiledReplay, plan_modules, rewrite, rewrite_plan
+from .signature import call_key
+
+log = logging.getLogger("remat.runtime")
+
+
+class Setting(NamedTuple):
+    """What a run's plans are made for besides the call (runtime.api.Remat's settings)."""
+    model: torch.nn.Module
+    loss_fn: Callable | None
+    options: PlanOptions
+    compile: dict | None
+    """torch.compile's keyword arguments: plans are for the compiled step; None: eager."""
+    optimizer: torch.optim.Optimizer | None
+    """Its state and step are in the budget."""
+    bypassed: Callable[[], ContextManager]
+    """Inside it, `model(...)` runs the model's own forward (Remat.bypassed)."""
+
+
+def plan_call(s: Setting, budget: StepBudget, book: PlanBook, key: tuple, args: tuple, kwargs: dict) -> Entry:
+    """The entry for a call of signature `key` (not in `book`): a larger call's plan (`covered`),
+    one made at the run's largest sizes (`grown`), else a plan of its own (`make`)."""
+    return covered(s, book, key, args, kwargs) or _grown(s, budget, book, key, args, kwargs) \
+        or make(s, budget, book, args, kwargs)
+
+
+def covered(s: Setting, book: PlanBook, key: tuple, args: tuple, kwargs: dict) -> Entry | None:
+    """The plan of a larger call of the same kind (NOTE [ covered shapes ] in runtime.book),
+    applied to this one's graph, or None. A module-tree plan and an fx graph serve it as they are;
+    an exported graph (its shapes baked in) is captured again. Nothing is profiled or solved."""
+    if s.compile is not None:
+        return None
+    model = s.model
+    for e in book.larger(key):
+        plan, traced = e.plan, e.traced
+        if traced is None or traced.in_spec is None:   # the module tree, or fx (sizes read at run time)
+            return e
+        if traced.shapes is not None and traced.shapes.admits(traced.inputs(model, args, kwargs)):
+            return e                  # exported with dynamic sizes, these among them: no capture
+        traced, _ = capture_call(s, args, kwargs)
+        if [n.name for n in compute_nodes(traced.gm)] != list(plan.node_names[:-1]):
+            return None        # another graph at this shape (a branch on a size): planned as new
+        log.info("%s: inputs %s are covered by the plan made for larger ones: kept", type(model).__name__,
+                 describe((args, kwargs)))
+        return Entry(plan, rewrite_plan(model, traced.gm, plan), traced)
+    return None
+
+
+def _grown(s: Setting, budget: StepBudget, book: PlanBook, key: tuple, args: tuple, kwargs: dict) -> Entry | None:
+    """A call of a new kind (another keyword, autocast) at sizes below the largest this run has
+    planned (a padded batch shorter than the longest): planned once at those largest sizes,
+    then applied here as a covered call, so that the run's later batches of this kind keep it.
+    None when no input grows, or the grown call's graph is not this one's."""
+    g_args, g_kwargs = book.grown(args, kwargs)
+    if g_args is None:
+        return None
+    g_key = call_key(g_args, g_kwargs, s.model)
+    if g_key not in book:
+        try:
+            book.add(g_key, make(s, budget, book, g_args, g_kwargs))
+        except RematError as e:       # the grown call does not plan: this one is planned as it is
+            log.info("%s: no plan at the run's largest sizes (%s); planning these inputs as they are",
+                     type(s.model).__name__, e)
+            return None
+    return covered(s, book, key, args, kwargs)
+
+
+def capture_call(s: Setting, args: tuple, kwargs: dict, opaque: dict | None = None,
+                 skip: dict | None = None) -> tuple[Traced, dict]:
+    """(Traced, named inputs) of the model's own forward on these inputs, its state untouched;
+    `opaque`: submodules to capture as opaque fx leaves (those of the plan the graph is for);
+    `skip`: capture paths not to take."""
+    model = s.model
+    with s.bypassed(), rng_preserved(), training_modes(model), state_preserved(model):
+        traced = capture(model, args, kwargs, opaque or None, skip)
+        return traced, traced.inputs(model, args, kwargs)
+
+
+def from_plan(s: Setting, plan: Plan, args: tuple, kwargs: dict) -> Entry:
+    """`plan` (made elsewhere: `Plan.from_json`) on this call's graph; PlanMismatchError, saying
+    what differs, when the model's graph or the inputs are not the ones it was made for."""
+    model = s.model
+    if plan.trace_path == "module tree":
+        missing = [n for n in plan.node_names if n not in dict(model.named_modules())]
+        if missing:
+            raise PlanMismatchError(f"the plan checkpoints submodules this model does not have: {missing[:5]}")
+        return Entry(plan, None, None)
+    # a plan's opaque modules are leaves again (the profile may have made some after capture)
+    traced, named = capture_call(s, args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx") else None)
+    check_matches(plan, traced, named)
+    return Entry(plan, rewrite_plan(model, traced.gm, plan), traced)
+
+
+def make(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict) -> Entry:
+    """The entry for inputs like these: from the plan cache (runtime/plan_cache.py) when this
+    call was planned before, in any process, else made (and cached); their sizes join the
+    largest this run has planned for (`_grown`)."""
+    entry = _from_cache(s, budget, book, args, kwargs)
+    book.note_sizes(args, kwargs)
+    return entry
+
+
+def _from_cache(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict) -> Entry:
+    if s.compile is not None or not plan_cache.enabled(s.options):
+        return _planned(s, budget, book, args, kwargs)
+    parts = plan_cache.key_parts(s.model, call_key(args, kwargs, s.model), budget.budget, s.loss_fn,
+                                 s.options, s.optimizer)
+    cache = plan_cache.PlanCache()
+    hit = cache.load(parts)
+    if hit is not None:
+        entry = _cached(s, budget, hit[0], hit[1], args, kwargs)
+        if entry is not None:
+            return entry
+    entry = _planned(s, budget, book, args, kwargs)
+    cache.store(parts, entry.plan, plan_cache.graph_hash(None if entry.traced is None else entry.traced.gm))
+    return entry
+
+
+def _cached(s: Setting, budget: StepBudget, plan: Plan, graph: str, args: tuple, kwargs: dict) -> Entry | None:
+    """The cached `plan` on this call's graph, or None (logged) when the graph captured now is
+    not the one it was made on."""
+    model = s.model
+    try:
+        if plan.trace_path == "module tree":
+            if graph != "module tree":
+                raise PlanMismatchError("the entry's plan is for the module tree, its graph is not")
+            entry = Entry(plan, None, None)
+        else:
+            skip = {"fx": "the cached plan's graph"} if plan.trace_path == "torch.export" else None
+            traced, named = capture_call(s, args, kwargs, dict(plan.opaque) if plan.trace_path.startswith("fx")
+                                         else None, skip)
+            if plan_cache.graph_hash(traced.gm) != graph:
+                raise PlanMismatchError("the graph captured now is not the one the plan was made on")
+            check_matches(plan, traced, named)
+            entry = Entry(plan, rewrite_plan(model, traced.gm, plan), traced)
+    except (RematError, PlanMismatchError) as e:
+        log.warning("%s: plan cache entry not used (%s); planning anew", type(model).__name__, e)
+        return None
+    log.info("%s: plan taken from the plan cache (%s)", type(model).__name__, plan_cache.directory())
+    budget.resolve(plan.unplanned_peak_bytes)      # a '%' budget: the key held it, the plan resolved it
+    return entry._replace(plan=plan.noting(cached=True))
+
+
+def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict) -> Entry:
+    """A plan made for this call: over its captured graph, else over the module tree."""
+    try:
+        a = analyze_for(s.model, args, kwargs, s.loss_fn, s.options, s.optimizer, REGION_PROBE)
+    except TraceError as e:             # no graph at all: plan over the module tree
+        return _over_module_tree(s, budget, book, args, kwargs, e)
+    budget_bytes = budget.resolve(unplanned_peak_bytes(a.cost_graph, s.options))
+    if s.compile is not None:
+        book.solves += 1
+        return _compiled(s, a, budget_bytes)
+    return _solved(s, book, a, budget_bytes, args, kwargs)
+
+
+def _over_module_tree(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict,
+                      e: TraceError) -> Entry:
+    """A plan over the module tree (runtime.rewrite.module_tree), each choice measured with a real step."""
+    model = s.model
+    if s.compile is not None:
+        raise TraceError(e.where, f"{e.cause}; compile=True plans a captured graph: wrap without "
+                                  "compile (the module tree is planned, eagerly)") from e
+    log.warning("%s: no graph (%s); planning over its module tree, each choice measured with a real step",
+                type(model).__name__, e.cause)
+    extra = cache_off(model, args, kwargs)      # as Hugging Face's own checkpointing does
+    p = plan_modules(model, args, {**kwargs, **extra}, s.loss_fn, budget, s.options, e.cause, s.optimizer)
+    if extra:
+        p = replace(p.noting(extra_kwargs=extra), notes=p.notes + (
+            "called with use_cache=False, as Hugging Face does under gradient checkpointing: the output "
+            "carries no key/value cache",))
+    book.solves += 1
+    return Entry(p, None, None)
+
+
+def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tuple, kwargs: dict) -> Entry:
+    """A plan made at other inputs on the same graph when it still fits (one prediction, no
+    solve), else a solve, every candidate replayed exactly (`ExactReplay`)."""
+    model = s.model
+    measure = ExactReplay(model, a, s.loss_fn)
+    for e in book.on_path(a.traced.path):
+        p = reuse_plan(a.cost_graph, e.plan, budget_bytes, s.options, measure)
+        if p is not None:
+            log.info("%s: the plan made at other inputs fits these (predicted %d of %d bytes): kept",
+                     type(model).__name__, p.predicted_peak_bytes, budget_bytes)
+            return Entry(p, rewrite_plan(model, a.traced.gm, p), a.traced)
+    if book.entries:
+        log.warning("%s: new inputs (%s) that no plan of this run fits: planning anew for %d bytes",
+                    type(model).__name__, describe((args, kwargs)), budget_bytes)
+    book.solves += 1
+    t0 = time.perf_counter()
+    p = solve_plan(a.cost_graph, budget_bytes, s.options, a.traced.opaque, measure=measure, floor_if_needed=True)
+    spent = {**a.times, "solve": time.perf_counter() - t0 - measure.seconds, "replay": measure.seconds}
+    p = p.noting(plan_time={**{k: round(v, 3) for k, v in spent.items()}, "replays": len(measure.peaks)})
+    return Entry(p, rewrite_plan(model, a.traced.gm, p), a.traced)
+
+
+def _compiled(s: Setting, a: Analysis, budget_bytes: int) -> Entry:
+    """A plan for the compiled step (runtime.rewrite.compiled): plain regions only (a SAC policy cannot be
+    compiled into the graph), each plan tried measured compiled."""
+    replay = CompiledReplay(s.model, a, s.loss_fn, s.compile)
+    options = replace(s.options, solve=replace(s.options.solve, sac=False))
+    p = solve_plan(a.cost_graph, budget_bytes, options, a.traced.opaque, measure=replay)
+    return Entry(p, replay.module(p.regions), a.traced)
+
+
+def check_matches(plan: Plan, traced, named: dict) -> None:
+    """The captured graph and inputs are the plan's: same capture path, nodes (names, in order,
+    and what they call) and input shapes and dtypes; else a PlanMismatchError naming the first
+    difference."""
+    if traced.path != plan.trace_path:
+        raise PlanMismatchError(f"the plan was made on a graph captured by {plan.trace_path}; this model is "
+                                f"captured by {traced.path}")
+    names = [n.name for n in compute_nodes(traced.gm)]
+    planned = list(plan.node_names[:len(plan.node_names) - 1])      # the last node is the loss
+    for i, (a, b) in enumerate(zip(planned, names)):
+        if a != b:
+            raise PlanMismatchError(f"the graph differs from the plan's at node {i}: the plan has {a!r}, this "
+                                    f"model {b!r} (another model, config or code version?)")
+    if len(planned) != len(names):
+        raise PlanMismatchError(f"the plan covers {len(planned)} nodes, this model's graph has {len(names)}")
+    got = input_signature(named)
+    for name, want in plan.facts.inputs.items():
+        if "shape" in want and (got.get(name, {}).get("shape"), got.get(name, {}).get("dtype")) != \
+                (want["shape"], want["dtype"]):
+            have = got.get(name)
+            raise PlanMismatchError(f"input {name!r}: the plan was made for shape {want['shape']} {want['dtype']}, "
+                                    f"got {have and have.get('shape')} {have and have.get('dtype')}")
+
+
+class ExactReplay:
+    """The `planner.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
+    fake tensors (runtime.measure.replay).
+
+    Opaque modules (fake tensors cannot run them, or an RNN's kernel holds memory they do not
+    model) are stood in for by their measured behaviour, as in the profile (planner.opaque).
+    """
+    what = "the exact replay on fake tensors"
+    rounds = DEFAULT_ROUNDS
+
+    def __init__(self, model: torch.nn.Module, analysis, loss_fn):
+        self.model, self.analysis, self.loss_fn = model, analysis, analysis.fake_loss or loss_fn
+        self.opaque = tuple(m for m, _ in analysis.traced.opaque)
+        self.names = tuple(c.name for c in analysis.cost_graph.nodes)
+        self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
+        self.seconds = 0.0                      # spent replaying
+        # the profile's metered peak of the step without checkpointing, as `_replay` would add to
+        # it: planner.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
+        # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
+        facts = self.facts = StepFacts.of(analysis.cost_graph.meta)
+        self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates else max(
+            facts.measured_peak_bytes + facts.held_throughout_bytes, base_liveness(analysis.cost_graph).opt)
+
+    def __call__(self, regions) -> int:
+        key = tuple(regions)
+        if key not in self.peaks:
+            t0 = time.perf_counter()
+            self.peaks[key] = self._replay(key)
+            self.seconds += time.perf_counter() - t0
+        return self.peaks[key]
+
+    def _replay(self, regions) -> int:
+        """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
+        or the optimizer's step when that is higher (the same under every plan)."""
+        a, facts = self.analysis, self.facts
+        with training_modes(self.model):             # the step planned is a training step (planner.state)
+            gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
+            replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
+                                    keep_output=facts.keep_output, grads=facts.accumulates)
+        # held throughout: the optimizer's state, the math libraries' workspaces (planner/workspace.py)
+        return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)
