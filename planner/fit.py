@@ -26,7 +26,7 @@ from .improve import Search, search
 from .options import PlanOptions, SolveOptions
 from .result import Plan, Region
 from .simulate import timeline
-from .solve import solve_ilp, solve_min_peak
+from .solve import BlockSolver, solve_ilp, solve_min_peak
 
 SIMULATED = "the simulator, no exact replay"
 log = logging.getLogger("remat.planner")
@@ -63,7 +63,7 @@ class _Problem(NamedTuple):
     peaks: dict[str, int]                  # their simulated predictions
     measure: Measure | None
     margin: float                          # 1 + replay margin
-    hier: object = None                    # hierarchy.HierarchicalSolver, or None: the flat ILP
+    hier: BlockSolver | None = None        # hierarchy.HierarchicalSolver, or None: the flat ILP
 
     def predict(self, regions) -> int:
         """The simulator's prediction: the simulated peak plus the safety margin."""

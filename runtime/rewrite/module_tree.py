@@ -115,6 +115,38 @@ def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, 
         return _plan_modules(model, args, kwargs, loss_fn, budget, options, why, optimizer)
 
 
+class _UnitSteps:
+    """Real steps of the model with some of its units checkpointed: `measure` a choice (its peak,
+    the optimizer's state and step counted, the replay margin on it); `measured` leaves out the
+    units torch's checkpoint refuses in this step (`refused`, found when a step raises)."""
+
+    def __init__(self, model, args, kwargs, loss_fn, names: list[str], options: PlanOptions, optimizer):
+        self.model, self.args, self.kwargs, self.loss_fn, self.names = model, args, kwargs, loss_fn, names
+        self.grads, self.keep_output = options.accumulation_steps > 1, options.keep_output
+        self.margin = 1.0 + replay_margin(options, next(model.parameters()).device.type)
+        self.state, self.opt_peak = _optimizer_phase(model, args, kwargs, optimizer, options)
+        self.refused: set[int] = set()      # units torch's checkpoint cannot run in this step
+
+    def measure(self, chosen) -> int:
+        step = seeded_peak(lambda: measure_step(self.model, self.args, self.kwargs, self.loss_fn,
+                                                [self.names[i] for i in chosen], self.grads, self.keep_output))
+        return math.ceil(max(step + self.state, self.opt_peak) * self.margin)
+
+    def measured(self, chosen) -> tuple[tuple[int, ...], int]:
+        """(the units of `chosen` a real step can checkpoint, that step's peak)."""
+        chosen = tuple(i for i in chosen if i not in self.refused)
+        try:
+            return chosen, self.measure(chosen)
+        except CheckpointError:
+            bad = {i for i in chosen if _refuses(lambda i=i: self.measure((i,)))}
+            if not bad:
+                raise
+            log.info("%s: not checkpointed, torch's checkpoint refuses them in this step: %s",
+                     type(self.model).__name__, ", ".join(self.names[i] for i in sorted(bad)))
+            self.refused.update(bad)
+            return self.measured(chosen)
+
+
 def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, options: PlanOptions,
                   why: str, optimizer=None) -> Plan:
     t0 = time.perf_counter()
@@ -122,31 +154,8 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget,
         torch.manual_seed(0)
         prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]
-    margin = 1.0 + replay_margin(options, next(model.parameters()).device.type)
-    state, opt_peak = _optimizer_phase(model, args, kwargs, optimizer, options)
-    grads = options.accumulation_steps > 1
-
-    def measure(chosen) -> int:
-        step = seeded_peak(lambda: measure_step(model, args, kwargs, loss_fn, [names[i] for i in chosen], grads,
-                                                options.keep_output))
-        return math.ceil(max(step + state, opt_peak) * margin)
-    refused: set[int] = set()      # units torch's checkpoint cannot run in this step
-
-    def measured(chosen) -> tuple[tuple[int, ...], int]:
-        """(the units of `chosen` a real step can checkpoint, that step's peak)."""
-        chosen = tuple(i for i in chosen if i not in refused)
-        try:
-            return chosen, measure(chosen)
-        except CheckpointError:
-            bad = {i for i in chosen if _refuses(lambda i=i: measure((i,)))}
-            if not bad:
-                raise
-            log.info("%s: not checkpointed, torch's checkpoint refuses them in this step: %s", type(model).__name__,
-                     ", ".join(names[i] for i in sorted(bad)))
-            refused.update(bad)
-            return measured(chosen)
-
-    unplanned = measure(())      # the plain step, measured (the profile's instrumented step holds more)
+    steps = _UnitSteps(model, args, kwargs, loss_fn, names, options, optimizer)
+    unplanned = steps.measure(())      # the plain step, measured (the profile's instrumented step holds more)
     budget_bytes = budget.resolve(unplanned)
     base = dict(budget_bytes=budget_bytes, unplanned_peak_bytes=unplanned, recompute_flops=0, total_flops=0,
                 forward_s=prof.forward_s, node_names=tuple(names),
@@ -156,28 +165,33 @@ def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget,
     if unplanned <= budget_bytes:
         return Plan(regions=(), predicted_peak_bytes=unplanned, min_feasible_bytes=None, recompute_s=0.0,
                     solver="none", status="fits without checkpointing", gap=0.0, solve_s=0.0, **base)
-    # the floor: the lesser of every unit checkpointed and every block (per-block checkpointing,
-    # Hugging Face's gradient_checkpointing_enable()); checkpointing an embedding or a head whose
-    # recompute lands on the backward's peak can cost more than it frees
-    floors = {"every submodule": tuple(range(len(names))), "every block": block_units(model, names)}
-    floors = {k: measured(c) for k, c in floors.items() if c}
-    floor_name, (floor_chosen, floor) = min(floors.items(), key=lambda kv: kv[1][1])
-    target, best = budget_bytes, None
-    for _ in range(4):
-        chosen = solve_units(prof, int(target / margin), options.solve.time_limit_s, frozenset(refused))
-        if chosen is None:
-            break
-        chosen, peak = measured(chosen)
-        if peak <= budget_bytes:
-            best = (chosen, peak)
-            break
-        target -= peak - budget_bytes
-    if best is None:
-        if floor > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, floor, f"a real step with {floor_name} checkpointed")
-        best = (floor_chosen, floor)
-    chosen, peak = best
+    chosen, peak, floor = _choose(model, prof, steps, budget_bytes, options)
     return Plan(regions=tuple(Region(i, i) for i in chosen), predicted_peak_bytes=peak,
                 min_feasible_bytes=min(floor, peak), recompute_s=sum(prof.units[i].time_s for i in chosen),
                 solver="ilp", status="module tree, measured", gap=float("nan"), solve_s=time.perf_counter() - t0,
                 **base)
+
+
+def _choose(model, prof: ModuleProfile, steps: _UnitSteps, budget_bytes: int,
+            options: PlanOptions) -> tuple[tuple[int, ...], int, int]:
+    """(the units to checkpoint, their measured peak, the floor): the least-time units the ILP
+    picks whose measured step fits (the ILP's budget tightened by each miss), else the floor, the
+    lesser of every unit checkpointed and every block (per-block checkpointing, Hugging Face's
+    gradient_checkpointing_enable(); checkpointing an embedding or a head whose recompute lands
+    on the backward's peak can cost more than it frees). InfeasibleBudgetError below the floor."""
+    names = steps.names
+    floors = {"every submodule": tuple(range(len(names))), "every block": block_units(model, names)}
+    floors = {k: steps.measured(c) for k, c in floors.items() if c}
+    floor_name, (floor_chosen, floor) = min(floors.items(), key=lambda kv: kv[1][1])
+    target = budget_bytes
+    for _ in range(4):
+        chosen = solve_units(prof, int(target / steps.margin), options.solve.time_limit_s, frozenset(steps.refused))
+        if chosen is None:
+            break
+        chosen, peak = steps.measured(chosen)
+        if peak <= budget_bytes:
+            return chosen, peak, floor
+        target -= peak - budget_bytes
+    if floor > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, floor, f"a real step with {floor_name} checkpointed")
+    return floor_chosen, floor, floor
