@@ -1,13 +1,13 @@
 """The exact optimum on small graphs, to measure our optimality gap.
 
 The problem our plan is judged on: least estimated recompute seconds among all plans whose
-simulated peak (planner.simulate.timeline) times (1 + safety margin) is within the budget, over
+simulated peak (planner.solve.simulate.timeline) times (1 + safety margin) is within the budget, over
 the planner's plan space (contiguous regions, each recomputing everything or keeping the outputs
 of all its FLOP-counted nodes). Its exact optimum is the planner's ILP over every region
 (`candidates` with no cut or span limit; no region starts or ends at a trivial node, which loses
-nothing, see planner/candidates.py), solved by CBC to a zero gap with no node limit (300 s at
+nothing, see planner/solve/candidates.py), solved by CBC to a zero gap with no node limit (300 s at
 most) and no local search. The ILP's memory model is the simulator's, not a bound of it (NOTE
-[ ILP ] in planner/solve.py), so its optimum is the problem's; tests/test_solver.py checks the
+[ ILP ] in planner/solve/ilp.py), so its optimum is the problem's; tests/test_solver.py checks the
 ILP's peak against the simulator's on random plans, and its optimum against brute force over
 every plan on random graphs. As a guard, the reference is the best of the ILP's plan, ours and
 the known plans (every block, sqrt, SAC every block) under the same check: should ours or a known
@@ -26,10 +26,10 @@ import time
 from dataclasses import replace
 
 from remat.planner import CostGraph, Plan, SolveOptions
-from remat.planner.baselines import BASELINES
-from remat.planner.candidates import candidates
-from remat.planner.simulate import timeline
-from remat.planner.solve import solve_ilp
+from remat.planner.solve.baselines import BASELINES
+from remat.planner.solve.candidates import candidates
+from remat.planner.solve.simulate import timeline
+from remat.planner.solve.ilp import solve_ilp
 
 MAX_NODES = 90        # the 2-layer GPT-2 has 85 nodes; its full ILP solves in a few seconds
 FLOPS_LIMIT_S = 60.0

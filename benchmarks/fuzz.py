@@ -1078,7 +1078,7 @@ def _state(model: nn.Module) -> dict:
 def budgets(case: Case) -> tuple[int, int, int]:
     """(unplanned, smallest feasible, budget) in bytes, on copies in wrap-time mode: the unplanned
     peak the simulator predicts, and the smallest feasible budget plan_and_wrap names when asked
-    for one byte (NOTE [ one floor ] in planner/fit.py: a replayed peak, met when typed back)."""
+    for one byte (NOTE [ one floor ] in planner/solve/fit.py: a replayed peak, met when typed back)."""
     opts = options(case)
     kw = {"keep_output": True} if _KEEP_OUTPUT_OPTION and case.hold_output else {}
     m = copy.deepcopy(case.model)

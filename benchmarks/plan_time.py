@@ -10,13 +10,13 @@ Each row is one `plan_and_wrap` of a fresh copy of the model (plan cache off) at
 floor + u x (unplanned - floor), where the floor and the unplanned peak come from one plan made
 first (not timed). Columns: graph nodes; seconds of capture, capture check, fake profile, solve
 (candidates, CBC, local search, everything in solve_plan but the replays), the ILPs CBC solved
-(not those taken from planner/cbc.py's store: a count that does not move with the machine's load)
+(not those taken from planner/solve/cbc.py's store: a count that does not move with the machine's load)
 and exact replays (how many); the wall-clock total and the CPU seconds of the process and its CBC
 children; the plan's estimated extra compute (recompute over forward, roofline) and its regions. A last row per model
 is the same call again with the plan cache on (a second run of the same script), and one more
 the wrapped model's plan for half the batch (a shorter padded batch later in the run: the plan
 of the larger call is kept, NOTE [ covered shapes ]; an exported graph is captured again). Each budget's
-row is a cold plan (no ILP solved before in the process: planner/cbc.py NOTE [ solved once ]);
+row is a cold plan (no ILP solved before in the process: planner/solve/cbc.py NOTE [ solved once ]);
 the row "0.5 after 0.25" re-plans at u = 0.5 after a plan at u = 0.25 in the same process (the
 segment ILPs the two share are solved once). With `--same-budgets` each row plans at the budget
 in bytes of the --compare run's row (a planner that finds a lower floor moves u's budgets down:
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from remat.planner import InfeasibleBudgetError, PlanOptions  # noqa: E402
-from remat.planner.cbc import COUNTS, SOLVED  # noqa: E402
+from remat.planner.solve.cbc import COUNTS, SOLVED  # noqa: E402
 from remat.planner.compat import tree_leaves, tree_map  # noqa: E402
 from remat.runtime import plan_and_wrap  # noqa: E402
 from remat.runtime.examples import EXAMPLES  # noqa: E402

@@ -25,8 +25,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ["REMAT_CACHE"] = "0"
 
-from remat.planner import front, trace  # noqa: E402
-from remat.planner.cbc import COUNTS, SOLVED  # noqa: E402
+from remat.planner.solve import front
+
+from remat.planner.capture import trace  # noqa: E402
+from remat.planner.solve.cbc import COUNTS, SOLVED  # noqa: E402
 from remat.runtime import plan_and_wrap  # noqa: E402
 from remat.runtime.measure import peak_memory, preserved  # noqa: E402
 

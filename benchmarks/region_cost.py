@@ -4,8 +4,8 @@
 
 A chain of 32 Linear+Tanh blocks (64 nodes) is rewritten with no region, one region over every
 node, 8 regions and 32 regions (the same nodes recomputed in each), and the steps are timed in
-interleaved rounds (the fastest of each); the prediction is planner.simulate.timeline's under
-measured costs (planner/costs.py), the region overheads measured through the runtime's own
+interleaved rounds (the fastest of each); the prediction is planner.solve.simulate.timeline's under
+measured costs (planner/profile/costs.py), the region overheads measured through the runtime's own
 regions (runtime.rewrite.overhead.REGION_PROBE). Every plan recomputes the same nodes, so what
 grows with the number of regions is each region's own cost.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat.planner import analyze  # noqa: E402
 from remat.planner.result import Region  # noqa: E402
-from remat.planner.simulate import timeline  # noqa: E402
+from remat.planner.solve.simulate import timeline  # noqa: E402
 from remat.runtime.measure.timing import interleaved_times  # noqa: E402
 from remat.runtime.rewrite import REGION_PROBE, rewrite  # noqa: E402
 

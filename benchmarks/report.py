@@ -134,7 +134,7 @@ def document(argv, rows, meters, exacts, notes: list[str], plots: list[Path]) ->
     if exacts:
         parts += [f"## Optimality gap against the exact ILP optimum (graphs of at most {MAX_NODES} nodes)",
                   "Every node boundary a cut, no span limit, zero gap, no node limit, 300 s limit; recompute of"
-                  " both plans simulated with planner.simulate.timeline. The ILP's memory model is the simulator's"
+                  " both plans simulated with planner.solve.simulate.timeline. The ILP's memory model is the simulator's"
                   " (NOTE [ ILP ]), so no plan beats the exact optimum beyond CBC's tolerance of about a byte per"
                   " MB of budget; a negative gap can only come from that.",
                   exact_table(exacts)]

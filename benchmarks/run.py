@@ -11,7 +11,7 @@ unplanned model's loss and gradients, then measured: real peak, median step time
 (forward+backward; the strategies timed in turn, round by round) as a ratio to no checkpointing,
 recomputed FLOPs, planning time. Step times come from interleaved rounds: per round, each
 strategy's step over no checkpointing's; the table gives the median and the range. Our plans are
-made with measured costs (each op timed on this machine, planner/costs.py; `--costs roofline`
+made with measured costs (each op timed on this machine, planner/profile/costs.py; `--costs roofline`
 for nominal rates), and per model and budget the notes say whether ours is the fastest strategy
 that fits beyond the spread, and whether predicted and measured overheads rank the strategies
 alike (benchmarks/speed.py). `--eager` leaves the compiled strategies out. `--clock cpu` (with
@@ -45,10 +45,10 @@ from benchmarks.strategies_compile import (GRID, QUICK_GRID, CompileSearch, comp
                                           dropout_recompute_error)
 from benchmarks.strategies_remat_compile import Called, dropout_region_error, graphs_now, remat_compiled  # noqa: E402
 from remat.planner import InfeasibleBudgetError, PlanOptions, RematError, SolveOptions, analyze, solve_plan  # noqa: E402
-from remat.planner.baselines import BASELINES  # noqa: E402
+from remat.planner.solve.baselines import BASELINES  # noqa: E402
 from remat.planner.result import Plan  # noqa: E402
-from remat.planner.simulate import timeline  # noqa: E402
-from remat.planner.trace import capture  # noqa: E402
+from remat.planner.solve.simulate import timeline  # noqa: E402
+from remat.planner.capture.trace import capture  # noqa: E402
 from remat.runtime import peak_memory  # noqa: E402
 from remat.runtime.api import ExactReplay  # noqa: E402
 from remat.runtime.measure import allocator_peak  # noqa: E402

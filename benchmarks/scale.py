@@ -14,7 +14,7 @@ target device's rates (`--target-device`, default cuda), and planned by `planner
 fraction of its activation memory: budget = held + fraction x (unplanned peak - held), where held
 is what no plan can drop (CostGraph.fixed_bytes: parameters, buffers, inputs, optimizer state;
 plus a gradient for every parameter) and the unplanned peak is the simulator's prediction
-(planner.fit.unplanned_peak_bytes). Models (MODELS):
+(planner.solve.fit.unplanned_peak_bytes). Models (MODELS):
 - gpt2-small / gpt2-medium: runtime.examples.gpt2 (12 x 768 / 24 x 1024, seq 1024, batch 8,
   vocab 50257), fp32, no optimizer;
 - llama-7b / llama-13b (Llama-2 shapes), llama-70b (Llama-3 shape: 80 layers, d 8192, GQA 64/8
@@ -26,7 +26,7 @@ seconds, CBC's included, beside it: the machine may be shared), the unplanned an
 (predicted), recomputed FLOPs as a share of the forward's (and checkpointing every block's), the
 estimated extra compute (recompute seconds over forward seconds, roofline estimate), and the
 solver's status. Every solve is cold: remat's caches are off (REMAT_CACHE=0, unless set), so that
-no CBC result stored by an earlier run is read back (planner/cbc.py NOTE [ solved once ]).
+no CBC result stored by an earlier run is read back (planner/solve/cbc.py NOTE [ solved once ]).
 The table goes to benchmarks/results/scale.md (the current file, from `--models all`: a rerun
 replaces it; move the old run's headline to benchmarks/results/HISTORY.md); --out elsewhere for
 a partial run.
@@ -47,9 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, analyze, solve_plan  # noqa: E402
-from remat.planner.baselines import every_block  # noqa: E402
-from remat.planner.fit import unplanned_peak_bytes  # noqa: E402
-from remat.planner.simulate import timeline  # noqa: E402
+from remat.planner.solve.baselines import every_block  # noqa: E402
+from remat.planner.solve.fit import unplanned_peak_bytes  # noqa: E402
+from remat.planner.solve.simulate import timeline  # noqa: E402
 
 
 def _gpt2(n_layer: int, d_model: int, n_head: int):
@@ -121,7 +121,7 @@ def run(name: str, fractions, flat: bool, options: PlanOptions) -> list[dict]:
     for frac in fractions:
         budget = int(held + frac * (unplanned - held))
         for path, force_flat in paths:
-            import remat.planner.fit as fit
+            import remat.planner.solve.fit as fit
             dispatch = fit.hierarchy.for_graph
             if force_flat:                     # today's path: the flat candidates and ILP
                 fit.hierarchy.for_graph = lambda *_: None

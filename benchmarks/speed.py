@@ -4,7 +4,7 @@ measured overheads rank the strategies the same way?
 
 A row is one strategy's result (benchmarks/run.py): `ratio` (median per-round step time over
 no checkpointing's), `low`/`high` (the per-round range), `fits`, `compiled`, and `predicted_s`
-(the extra seconds planner.simulate.timeline predicts for its regions under the plan's cost
+(the extra seconds planner.solve.simulate.timeline predicts for its regions under the plan's cost
 model; None for strategies not expressed as regions: Hugging Face's own, torch.compile's).
 """
 from __future__ import annotations

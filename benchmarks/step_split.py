@@ -23,8 +23,8 @@ from benchmarks.measure import CLOCKS  # noqa: E402
 from benchmarks.models import MODELS  # noqa: E402
 from benchmarks.run import budgets  # noqa: E402
 from remat.planner import PlanOptions, SolveOptions, analyze, solve_plan  # noqa: E402
-from remat.planner.baselines import BASELINES  # noqa: E402
-from remat.planner.simulate import region_recompute, timeline  # noqa: E402
+from remat.planner.solve.baselines import BASELINES  # noqa: E402
+from remat.planner.solve.simulate import region_recompute, timeline  # noqa: E402
 from remat.runtime.api import ExactReplay  # noqa: E402
 from remat.runtime.rewrite import REGION_PROBE, RecomputeTimes, rewrite  # noqa: E402
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from remat.planner import InfeasibleBudgetError, PlanOptions
-from remat.planner.profile import compute_nodes
+from remat.planner.profile.graph import compute_nodes
 from remat.planner.result import Plan, Region
-from remat.planner.trace import capture
+from remat.planner.capture.trace import capture
 from remat.runtime.api import plan_and_wrap
 from remat.runtime.measure import allocator_peak
 from remat.runtime.rewrite import rewrite, rewrite_plan

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from remat.planner.storage import LiveBytes
+from remat.planner.step.storage import LiveBytes
 from remat.runtime import plan_and_wrap
 from remat.runtime.api import Remat
 

@@ -12,7 +12,7 @@ the unwrapped model's. tests/test_zoo.py asserts the same per row.
 
 The floor: the smallest feasible budget remat reports (the plan's `min_feasible_bytes`, or the
 InfeasibleBudgetError's) beside the measured peaks of what a user could apply instead, on a
-fresh copy with the same inputs and loss: every block checkpointed (planner.baselines.every_block
+fresh copy with the same inputs and loss: every block checkpointed (planner.solve.baselines.every_block
 through the same rewriter), and for Hugging Face models their own one-liner,
 `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`
 (per-block checkpointing). Every measured peak is of the second real step (the first warms up).
@@ -33,9 +33,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, RematError, analyze
-from remat.planner.baselines import every_block
+from remat.planner.solve.baselines import every_block
 from remat.planner.result import Plan
-from remat.planner.simulate import timeline
+from remat.planner.solve.simulate import timeline
 from remat.runtime import plan_and_wrap
 from remat.runtime.measure import peak_memory
 from remat.runtime.rewrite import rewrite
@@ -142,7 +142,7 @@ class _Graph(torch.nn.Module):
 
 
 def every_block_peak(ex) -> int | None:
-    """Measured peak of a copy with every block checkpointed (planner.baselines.every_block, through
+    """Measured peak of a copy with every block checkpointed (planner.solve.baselines.every_block, through
     the same rewriter as remat's plans); None when the model has no graph or no blocks."""
     model = copy.deepcopy(ex.model)
     try:
@@ -157,7 +157,7 @@ def every_block_peak(ex) -> int | None:
 
 
 def _refused_floor(pristine, ex, kwargs, options) -> int | None:
-    """The floor a plan that fits does not search (planner/fit.py NOTE [ floor if needed ]): the one
+    """The floor a plan that fits does not search (planner/solve/fit.py NOTE [ floor if needed ]): the one
     the refusal of a one-byte budget names."""
     try:
         plan_and_wrap(copy.deepcopy(pristine), 1e-9, example_inputs=ex.inputs, example_kwargs=kwargs,

@@ -6,23 +6,23 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from .compat import tree_flatten
+from remat.planner.compat import tree_flatten
 
-from .budget import as_budget
-from .costgraph import CostGraph, accumulating, with_optimizer, with_workspace
-from .costs import OverheadProbe
-from .errors import InfeasibleBudgetError, TraceError
-from .fit import PlanOptions, solve_plan, unplanned_peak_bytes
-from .opaque import measured_loss, real_inputs
-from .optimizer import optimizer_memory
-from .profile import LossValueDependent, ValueDependent, profile, step_device
-from .rates import DeviceRates
-from .result import Plan
-from .rng import rng_preserved
-from .state import buffers_restored, mode_key, state_preserved, training_modes
-from .check import check_capture, skipped
-from .trace import Traced, capture
-from .workspace import workspace_bytes
+from remat.planner.budget import as_budget
+from remat.planner.costgraph import CostGraph, accumulating, with_optimizer, with_workspace
+from remat.planner.profile.costs import OverheadProbe
+from remat.planner.errors import InfeasibleBudgetError, TraceError
+from remat.planner.solve.fit import PlanOptions, solve_plan, unplanned_peak_bytes
+from remat.planner.profile.opaque import measured_loss, real_inputs
+from remat.planner.step.optimizer import optimizer_memory
+from remat.planner.profile.graph import LossValueDependent, ValueDependent, profile, step_device
+from remat.planner.profile.rates import DeviceRates
+from remat.planner.result import Plan
+from remat.planner.step.rng import rng_preserved
+from remat.planner.step.state import buffers_restored, mode_key, state_preserved, training_modes
+from remat.planner.capture.check import check_capture, skipped
+from remat.planner.capture.trace import Traced, capture
+from remat.planner.step.workspace import workspace_bytes
 
 log = logging.getLogger("remat.planner")
 
@@ -45,9 +45,9 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
             overheads: OverheadProbe | None = None) -> Analysis:
     """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward,
     and `optimizer.step()` when an optimizer is given: its state and its step's temporaries are
-    measured on fake tensors, planner/optimizer.py, for a step on `target_device`). With
+    measured on fake tensors, planner/step/optimizer.py, for a step on `target_device`). With
     `accumulation_steps` > 1 the step planned is a micro-step after the first: every gradient
-    exists from its start (costgraph.accumulating). `cost_model` (planner/costs.py): "roofline",
+    exists from its start (costgraph.accumulating). `cost_model` (planner/profile/costs.py): "roofline",
     "measured" (each op timed on the device) or "auto" (measured on a CUDA device, else roofline);
     measured, a region's overheads are timed by `overheads` (the runtime passes its own regions',
     runtime.rewrite.overhead.REGION_PROBE), else DeviceRates' constants.
@@ -80,7 +80,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
 
 
 def _refuse_double_backward_through_opaque(traced: Traced, cg: CostGraph) -> None:
-    """An opaque module's stand-in (planner/opaque.py) allocates what one backward through it holds;
+    """An opaque module's stand-in (planner/profile/opaque.py) allocates what one backward through it holds;
     a loss that differentiates through the graph (`CostGraph.loss_differentiates`) runs two, and
     the first one's graph, held until the second, is not in the replay (fuzz seeds 5004 and 5010:
     20% and 1.7% under the measured peak). TraceError: the runtime plans over the module tree,
@@ -176,7 +176,7 @@ def _opaque_for(model: torch.nn.Module, traced: Traced, e: ValueDependent) -> di
 
 def _checked_capture(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict | None,
                      skip: dict[str, str], times: dict | None = None) -> tuple[Traced, str]:
-    """`capture`, then the capture check (planner.check): a graph that does not compute what the
+    """`capture`, then the capture check (planner.capture.check): a graph that does not compute what the
     model does is not taken, and the next path is (`skip` records it; TraceError when no path is
     left: the runtime then plans over the module tree). Returns the graph and how it was checked."""
     why_not = skipped(args, kwargs, model)

@@ -13,8 +13,8 @@ import numbers
 import re
 from typing import NamedTuple
 
-from .errors import BudgetError
-from .units import SPELLING, UNITS, size_text
+from remat.planner.errors import BudgetError
+from remat.planner.units import SPELLING, UNITS, size_text
 
 _NUMBER = r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
 

@@ -1,8 +1,8 @@
 """Where remat keeps what it remembers between runs, and the switches that turn it off (no torch).
 
 One directory: `REMAT_CACHE_DIR`, else `$XDG_CACHE_HOME/remat`, else `~/.cache/remat`. It holds the
-plan cache (runtime/plan_cache.py), the measured op timings (planner/costs.py) and the solved
-ILPs (planner/cbc.py, under `solves/`). `REMAT_CACHE=0` turns every store off; `REMAT_SOLVE_CACHE`
+plan cache (runtime/plan_cache.py), the measured op timings (planner/profile/costs.py) and the solved
+ILPs (planner/solve/cbc.py, under `solves/`). `REMAT_CACHE=0` turns every store off; `REMAT_SOLVE_CACHE`
 (0 or 1) decides for the solved ILPs alone, and `REMAT_SOLVE_CACHE_DIR` moves them.
 """
 from __future__ import annotations

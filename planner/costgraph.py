@@ -3,7 +3,7 @@
 Nodes are the fx graph's compute nodes in execution order, then one final `loss` node (the
 user's loss, or a stand-in that holds a tensor of the output's size; it is never recomputed).
 Storages are the activations those nodes create that outlive the node that made them.
-See NOTE [ liveness ] in planner/simulate.py for how these numbers become a memory timeline.
+See NOTE [ liveness ] in planner/solve/simulate.py for how these numbers become a memory timeline.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class CostGraph:
     meta: dict = field(default_factory=dict)  # provenance: model, shapes, torch version
     region_s: float = 0.0     # estimated fixed cost of one checkpoint region
     sac_op_s: float = 0.0     # estimated extra cost per op inside a region with a SAC policy
-    # the optimizer's step after backward (planner/optimizer.py): its peak above the fixed bytes
+    # the optimizer's step after backward (planner/step/optimizer.py): its peak above the fixed bytes
     # (which then hold its state), the parameter gradients and the kept outputs; None: the step
     # planned ends with backward
     optimizer_step_bytes: int | None = None
@@ -142,14 +142,14 @@ def same_unit(cg: CostGraph, a: int, b: int) -> bool:
 
 def with_optimizer(cg: CostGraph, state_bytes: int, step_bytes: int, name: str = "") -> CostGraph:
     """The step followed by an optimizer step: its state live from the start (fixed), its step's
-    temporaries after backward (planner/optimizer.py measures both)."""
+    temporaries after backward (planner/step/optimizer.py measures both)."""
     return replace(cg, fixed_bytes=cg.fixed_bytes + state_bytes, optimizer_step_bytes=step_bytes,
                    meta={**cg.meta, "optimizer": name, "optimizer_state_bytes": state_bytes,
                          "optimizer_step_bytes": step_bytes})
 
 
 def with_workspace(cg: CostGraph, workspace_bytes: int) -> CostGraph:
-    """The step with the math libraries' workspaces (planner/workspace.py) live throughout (fixed)."""
+    """The step with the math libraries' workspaces (planner/step/workspace.py) live throughout (fixed)."""
     if not workspace_bytes:
         return cg
     return replace(cg, fixed_bytes=cg.fixed_bytes + workspace_bytes,

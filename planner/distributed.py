@@ -54,8 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .costgraph import CostGraph, NodeCost
-from .facts import StepFacts
+from remat.planner.costgraph import CostGraph, NodeCost
+from remat.planner.facts import StepFacts
 
 @dataclass(frozen=True)
 class Unit:

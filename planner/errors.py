@@ -1,7 +1,7 @@
 """The planner's errors: typed, carrying their numbers, with the next step in the message."""
 from __future__ import annotations
 
-from .units import size_text
+from remat.planner.units import size_text
 
 
 def gb(n_bytes: int) -> str:

@@ -43,7 +43,7 @@ class StepFacts:
     optimizer_step_bytes: int | None = None
     """The optimizer step's temporaries, after backward; None: no optimizer."""
     workspace_bytes: int = 0
-    """The math libraries' workspaces, live throughout the step (planner/workspace.py)."""
+    """The math libraries' workspaces, live throughout the step (planner/step/workspace.py)."""
     accumulation_steps: int = 1
     """Gradient accumulation: > 1 plans a micro-step with every gradient live from its start."""
     inputs: Mapping[str, dict] = field(default_factory=dict)

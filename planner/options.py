@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .rates import DeviceRates
+from remat.planner.profile.rates import DeviceRates
 
 @dataclass(frozen=True, kw_only=True)
 class SolveOptions:
@@ -43,7 +43,7 @@ class SolveOptions:
     bound is weak, CBC finds its plans early and would spend the rest proving them. With no plan
     found within it, the solve goes on to `max_nodes`."""
     improve_evals: int = 10_000
-    """Plans the local search (planner/improve.py) scores after a solve (at most its work limit
+    """Plans the local search (planner/solve/improve.py) scores after a solve (at most its work limit
     divided by the graph's node count); 0: no local search."""
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,7 @@ class PlanOptions:
     """The device the step will train on, when planning elsewhere (`"cuda"` for a model built
     on `meta` on a laptop): its rates and its replay margin. None: the example inputs' device."""
     cost_model: str = "auto"
-    """How recompute time is estimated (planner/costs.py): `"roofline"` (`rates`), `"measured"`
+    """How recompute time is estimated (planner/profile/costs.py): `"roofline"` (`rates`), `"measured"`
     (each distinct op timed once on the device, cached), `"auto"` (measured on a CUDA device
     that is present, the roofline elsewhere: CPU timings swing with load, and CPU plans stay
     reproducible)."""

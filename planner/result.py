@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-from .errors import gb
-from .facts import StepFacts
+from remat.planner.errors import gb
+from remat.planner.facts import StepFacts
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Plan:
     @property
     def cost_model(self) -> str:
         """What estimated `recompute_s`: "roofline" (nominal rates) or "measured" (each op timed on
-        the device: planner/costs.py; a module-tree plan's are its units' forwards, timed)."""
+        the device: planner/profile/costs.py; a module-tree plan's are its units' forwards, timed)."""
         facts = self.facts
         return facts.cost_model or ("measured" if facts.trace_path == "module tree" else "roofline")
 

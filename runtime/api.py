@@ -24,7 +24,7 @@ from remat.planner import PlanOptions
 from remat.planner.budget import Budget, as_budget
 from remat.planner.errors import BudgetError
 from remat.planner.result import Plan
-from remat.planner.state import instance_forwards, training_modes
+from remat.planner.step.state import instance_forwards, training_modes
 
 from . import distributed, dropin
 from .book import PlanBook
@@ -47,7 +47,7 @@ class Remat:
     cached: `plan` is the plan of the latest training call, `plans` all of them. The budget is
     bytes, resolved once: a '%' budget becomes bytes at the first plan and stays fixed. A new
     signature whose graph is one already planned keeps that plan when it still fits there
-    (planner.fit.reuse_plan: one prediction, no solve); only a plan that would not fit is made
+    (planner.solve.fit.reuse_plan: one prediction, no solve); only a plan that would not fit is made
     anew, and that is logged. In eval mode or without gradients the model's own forward runs.
     """
 
@@ -193,7 +193,7 @@ class Remat:
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), "cpu")
         gm = self._book.current.gm
         eager_graph = gm is not None and self._compile is None     # regions to time one by one
-        # a training step, in the modes planned for (planner.state.training_modes)
+        # a training step, in the modes planned for (planner.step.state.training_modes)
         with training_modes(model), preserved(model), \
                 RecomputeTimes(gm, device) if eager_graph else contextlib.nullcontext() as regions:
             timing = step_timing(step(False), step(True), plan.recompute_s, plan.cost_model, device)

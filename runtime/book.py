@@ -12,7 +12,7 @@ from typing import Iterator, NamedTuple
 import torch
 from remat.planner.compat import keystr, tree_flatten_with_path
 from remat.planner.result import Plan
-from remat.planner.trace import Traced, Unflatten
+from remat.planner.capture.trace import Traced, Unflatten
 
 from .signature import covers, grown
 
@@ -72,7 +72,7 @@ class PlanBook:
         return (e for big, e in list(self.entries.items()) if covers(big, key))
 
     def on_path(self, path: str) -> Iterator[Entry]:
-        """The entries whose graph was captured by `path` (planner.fit.reuse_plan may keep them)."""
+        """The entries whose graph was captured by `path` (planner.solve.fit.reuse_plan may keep them)."""
         return (e for e in list(self.entries.values()) if e.traced is not None and e.traced.path == path)
 
     def note_sizes(self, args: tuple, kwargs: dict) -> None:

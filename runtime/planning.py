@@ -1,5 +1,5 @@
 """Making a run's plans (runtime.api.Remat's planning steps): capture and profile the call
-(planner.analyze_for), then keep a plan made at other inputs that still fits (planner.fit.reuse_plan),
+(planner.analyze_for), then keep a plan made at other inputs that still fits (planner.solve.fit.reuse_plan),
 else solve, every candidate replayed exactly on fake tensors (`ExactReplay`); the plan cache
 (runtime/plan_cache.py) first; the module tree when there is no graph (runtime.rewrite.module_tree);
 the compiled step in compile mode (runtime.rewrite.compiled). Each returns an `Entry`
@@ -17,14 +17,14 @@ from remat.planner import PlanOptions, solve_plan
 from remat.planner.api import Analysis, analyze_for, input_signature
 from remat.planner.errors import PlanMismatchError, RematError, TraceError
 from remat.planner.facts import StepFacts
-from remat.planner.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
-from remat.planner.profile import compute_nodes
+from remat.planner.solve.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
+from remat.planner.profile.graph import compute_nodes
 from remat.planner.result import Plan
-from remat.planner.rng import rng_preserved
-from remat.planner.simulate import base_liveness
-from remat.planner.state import state_preserved, training_modes
-from remat.planner.step import describe
-from remat.planner.trace import Traced, cache_off, capture
+from remat.planner.step.rng import rng_preserved
+from remat.planner.solve.simulate import base_liveness
+from remat.planner.step.state import state_preserved, training_modes
+from remat.planner.step.fake import describe
+from remat.planner.capture.trace import Traced, cache_off, capture
 
 from . import plan_cache
 from .book import Entry, PlanBook
@@ -261,11 +261,11 @@ def check_matches(plan: Plan, traced, named: dict) -> None:
 
 
 class ExactReplay:
-    """The `planner.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
+    """The `planner.solve.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
     fake tensors (runtime.measure.replay).
 
     Opaque modules (fake tensors cannot run them, or an RNN's kernel holds memory they do not
-    model) are stood in for by their measured behaviour, as in the profile (planner.opaque).
+    model) are stood in for by their measured behaviour, as in the profile (planner.profile.opaque).
     """
     what = "the exact replay on fake tensors"
     rounds = DEFAULT_ROUNDS
@@ -277,7 +277,7 @@ class ExactReplay:
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
         self.seconds = 0.0                      # spent replaying
         # the profile's metered peak of the step without checkpointing, as `_replay` would add to
-        # it: planner.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
+        # it: planner.solve.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
         # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
         facts = self.facts = StepFacts.of(analysis.cost_graph.meta)
         self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates else max(
@@ -295,9 +295,9 @@ class ExactReplay:
         """The replayed peak of forward and backward (the optimizer's state, live throughout, added),
         or the optimizer's step when that is higher (the same under every plan)."""
         a, facts = self.analysis, self.facts
-        with training_modes(self.model):             # the step planned is a training step (planner.state)
+        with training_modes(self.model):             # the step planned is a training step (planner.step.state)
             gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
                                     keep_output=facts.keep_output, grads=facts.accumulates)
-        # held throughout: the optimizer's state, the math libraries' workspaces (planner/workspace.py)
+        # held throughout: the optimizer's state, the math libraries' workspaces (planner/step/workspace.py)
         return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)

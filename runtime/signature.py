@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 from remat.planner.compat import keystr, tree_flatten, tree_map_with_path
-from remat.planner.state import mode_key
+from remat.planner.step.state import mode_key
 
 
 def call_key(args: tuple, kwargs: dict, model: torch.nn.Module | None = None) -> tuple:

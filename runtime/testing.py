@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze
-from remat.planner.fit import unplanned_peak_bytes
+from remat.planner.solve.fit import unplanned_peak_bytes
 from remat.planner.result import Plan
 from remat.planner.units import size_text
 

@@ -18,7 +18,7 @@ os.environ["REMAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="remat-test-cache-")
 # kept_plans()' directory: one for the session, shared by the xdist workers (they inherit the
 # controller's environment, set when it loads this file)
 os.environ.setdefault("REMAT_TEST_KEPT_PLANS", tempfile.mkdtemp(prefix="remat-test-kept-plans-"))
-# Solved ILPs are kept on disk for the session's workers and the CLI's subprocesses (planner/cbc.py,
+# Solved ILPs are kept on disk for the session's workers and the CLI's subprocesses (planner/solve/cbc.py,
 # NOTE [ solved once ]): an ILP one test solved is not solved again by another, and the plan is the
 # same (node-limited solves are a function of their input; results cut off by time are not kept).
 os.environ["REMAT_SOLVE_CACHE"] = "1"

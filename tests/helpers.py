@@ -12,7 +12,7 @@ import torch
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
 from remat.planner.compat import tree_leaves
-from remat.planner.solve import ilp_peak_bytes
+from remat.planner.solve.ilp import ilp_peak_bytes
 from remat.runtime import examples, plan_and_wrap
 from remat.runtime.measure import peak_memory, preserved
 

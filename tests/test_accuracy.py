@@ -12,7 +12,7 @@ budget remat reports there.
 
 Floor contract: the smallest feasible budget remat reports (plan.min_feasible_bytes, or the
 InfeasibleBudgetError's) is never above the measured peak of a baseline the user could apply
-instead: every block checkpointed (planner.baselines.every_block, through the same rewriter), and
+instead: every block checkpointed (planner.solve.baselines.every_block, through the same rewriter), and
 for Hugging Face models their own `gradient_checkpointing_enable()` (per-block checkpointing).
 """
 import copy
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from remat.planner import analyze
-from remat.planner.baselines import every_block
+from remat.planner.solve.baselines import every_block
 from remat.planner.result import Plan
 from remat.runtime.examples import EXAMPLES
 from remat.runtime.rewrite import rewrite

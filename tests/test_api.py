@@ -310,7 +310,7 @@ def test_a_plan_made_on_meta_applies_to_the_real_model():
     as JSON, applied on the training machine without re-planning; a different model or input
     shape is refused with what differs."""
     from remat.planner import Plan, PlanOptions, PlanMismatchError, solve_plan
-    from remat.planner.fit import unplanned_peak_bytes
+    from remat.planner.solve.fit import unplanned_peak_bytes
     from remat.runtime import apply
     with torch.device("meta"):
         meta = examples.mlp(batch=256, width=256, depth=6)
@@ -374,7 +374,7 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
 
 
 def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
-    """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/fit.py
+    """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/solve/fit.py
     NOTE [ floor if needed ]): a plan that fits has none; a budget below the floor is refused with
     the floor the search as it was (always searched) finds, and that floor, typed back in, fits."""
     import remat.runtime.planning as api      # where plan_and_wrap's solves are made
@@ -399,10 +399,10 @@ def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
 
 
 def test_a_budget_at_a_floor_already_found_goes_straight_to_the_full_search(monkeypatch):
-    """planner/fit.py NOTE [ floor if needed ]: after a refusal, a plan at the floor it named (or a
+    """planner/solve/fit.py NOTE [ floor if needed ]: after a refusal, a plan at the floor it named (or a
     budget below the fixed bytes) runs the floor search at once, not first the solve without it
     that would fail; the plan is the full search's, whatever FLOORS holds."""
-    import remat.planner.fit as fit
+    import remat.planner.solve.fit as fit
     ex = examples.EXAMPLES["mlp"]()
     a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
     cg = a.cost_graph
@@ -427,12 +427,12 @@ def test_a_budget_at_a_floor_already_found_goes_straight_to_the_full_search(monk
 
 @pytest.mark.parametrize("name", ["mlp", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_the_unplanned_guess_saves_replays_and_never_changes_a_plan_or_a_promise(name):
-    """planner/fit.py NOTE [ unplanned guess ]: the exact replay's guess of the step without
+    """planner/solve/fit.py NOTE [ unplanned guess ]: the exact replay's guess of the step without
     checkpointing (the profile's metered peak) is that replay to the byte, and with it solve_plan
     makes the same plans and floors as without it, in fewer replays. A guess that lies (10% high or
     low) costs plan quality at most: every plan still replays within its budget, and every floor
     is a replayed peak that a plan then meets."""
-    from remat.planner.fit import solve_plan
+    from remat.planner.solve.fit import solve_plan
     from remat.runtime.api import ExactReplay
     ex = examples.EXAMPLES[name]()
     a = analyze(ex.model, ex.inputs, None, ex.loss_fn)

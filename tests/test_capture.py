@@ -331,7 +331,7 @@ def test_the_floor_is_one_replayed_number_that_fits_when_typed_back(make):
 def test_a_capture_the_detectors_miss_is_caught_by_the_check(monkeypatch, caplog):
     """With the detectors off (a construct nobody listed), the capture check sees the STE's zero
     gradients on one sample and takes the next path, saying so."""
-    from remat.planner import fidelity, trace
+    from remat.planner.capture import fidelity, trace
     monkeypatch.setattr(trace, "watching", lambda proxies_only: contextlib.nullcontext())
     monkeypatch.setattr(fidelity.Modes, "check", lambda self: None)
     with caplog.at_level(logging.WARNING, logger="remat"):
@@ -360,10 +360,10 @@ def test_a_step_all_on_meta_is_replayed_without_fake_tensors_to_the_byte(name, m
     known plan; a step meta tensors cannot run is run under FakeTensorMode."""
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
-    import remat.planner.step as step
+    import remat.planner.step.fake as step
     from benchmarks.zoo_models import ZOO
     from remat.planner.api import analyze
-    from remat.planner.baselines import known_plans
+    from remat.planner.solve.baselines import known_plans
     from remat.planner.compat import tree_map
     from remat.runtime.api import ExactReplay
     from remat.runtime.examples import EXAMPLES
@@ -659,7 +659,7 @@ def test_hugging_faces_output_capturing_hooks_keep_the_graph():
 
 
 def _units(*units) -> "ModuleProfile":
-    from remat.planner.modules import ModuleProfile, Unit
+    from remat.planner.profile.modules import ModuleProfile, Unit
     return ModuleProfile(tuple(Unit(*u) for u in units), peak_bytes=1000, forward_s=0.1)
 
 
@@ -671,7 +671,7 @@ def test_a_unit_that_did_not_run_is_not_picked_by_the_module_tree_ilp():
     """Issue 41, item 5: the skipped unit is in no term of the ILP, so CBC never saw its binary,
     whose value stayed None and reached `> 0.5` (TypeError: '>' not supported between
     'NoneType' and 'float')."""
-    from remat.planner.modules import solve_units
+    from remat.planner.profile.modules import solve_units
     prof = _units(*_RAN_AND_SKIPPED)
     assert solve_units(prof, 950) == (0,)
     assert solve_units(prof, 2000) == ()
@@ -683,7 +683,7 @@ def test_a_module_tree_ilp_without_a_solution_falls_back_and_one_without_values_
     limit with no set found gives None (the runtime then takes its measured floor), logged; a
     solution whose values are missing is a SolverError, not arithmetic on None."""
     import pulp
-    from remat.planner import modules
+    from remat.planner.profile import modules
     from remat.planner.errors import SolverError
     prof = _units(*_RAN_AND_SKIPPED)
     monkeypatch.setattr(modules, "cbc", lambda prob, solver: prob.assignStatus(

@@ -1,4 +1,4 @@
-"""The capture check's tolerance (planner/check.py, NOTE [ the check's tolerance ]): rounding noise
+"""The capture check's tolerance (planner/capture/check.py, NOTE [ the check's tolerance ]): rounding noise
 in a gradient that is zero in exact arithmetic is no mismatch, so a model whose example batch is
 degenerate (one repeated token) keeps its graph; a wrong graph is still one, in a tensor of small
 norm too, and the message says which tensor, with its norms in the model and in the graph."""
@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 from torch import fx
 
-from remat.planner import check
-from remat.planner.check import check_capture
-from remat.planner.trace import Traced
+from remat.planner.capture import check
+from remat.planner.capture.check import check_capture
+from remat.planner.capture.trace import Traced
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
@@ -189,7 +189,7 @@ def test_a_batch_of_one_repeated_token_keeps_its_graph():
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed (pip install -e '.[hf]')")
 def test_degenerate_batches_pass_the_check_on_the_exported_graph():
     """All padding tokens (id 0), and half the rows masked out with labels -100."""
-    from remat.planner.trace import capture
+    from remat.planner.capture.trace import capture
     model = _tiny_llama()
     zeros = _batch(torch.zeros(4, 40, dtype=torch.long))
     ids = torch.randint(4, 512, (4, 40), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Measured costs (planner/costs.py) and the closed loop (runtime/measure/timing.py): which cost
+"""Measured costs (planner/profile/costs.py) and the closed loop (runtime/measure/timing.py): which cost
 model a plan is made with and says it was, the cache that makes measured plans repeatable, and
 timing that leaves the model as it was. No assertion depends on how fast anything ran."""
 import collections
@@ -12,11 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.planner import PlanOptions, SolveOptions, analyze, plan
-from remat.planner.costs import (OVERHEADS, CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path,
+from remat.planner.profile.costs import (OVERHEADS, CostModelError, OpCall, OverheadProbe, Overheads, TensorSpec, cache_path,
                            cost_model_for, measured_costs, time_ops)
-from remat.planner.rates import DeviceRates
+from remat.planner.profile.rates import DeviceRates
 from remat.planner.result import Plan, Region
-from remat.planner.simulate import region_recompute
+from remat.planner.solve.simulate import region_recompute
 from remat.runtime import examples, plan_and_wrap
 from remat.runtime.cli.main import main
 from remat.runtime.rewrite import REGION_PROBE, RecomputeTimes, regions_of, rewrite
@@ -257,7 +257,7 @@ def test_the_recompute_runs_the_nodes_the_cost_model_charges():
     packs its inputs before it computes, its outputs after: a last holder that saves only its
     input (a Linear, a GELU) never computes, one that saves what it makes (a LayerNorm: its mean
     and rstd) does. The forward ops that run while backward recomputes are those of the nodes
-    planner.simulate.region_recompute charges (decoded from its seconds: node j costs 2^j)."""
+    planner.solve.simulate.region_recompute charges (decoded from its seconds: node j costs 2^j)."""
     ex = small_mlp()
     a = analyze(ex.model, ex.inputs, None, ex.loss_fn)
     cg = a.cost_graph

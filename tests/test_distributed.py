@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from remat.planner import CostGraph, InfeasibleBudgetError, PlanOptions, Region, SolveOptions, solve_plan
-from remat.planner.baselines import every_block
-from remat.planner.candidates import SearchSpace
+from remat.planner.solve.baselines import every_block
+from remat.planner.solve.candidates import SearchSpace
 from remat.planner.costgraph import NodeCost, StorageCost
 from remat.planner.distributed import Sharding, Unit, per_rank, unit_of
-from remat.planner.simulate import base_liveness, timeline
+from remat.planner.solve.simulate import base_liveness, timeline
 
 MB = 10**6
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_the_graph_split_at_its_units_computes_what_the_model_does():
     import torch
 
     from remat.planner import analyze
-    from remat.planner.profile import compute_nodes
+    from remat.planner.profile.graph import compute_nodes
     from remat.runtime.distributed.units import GraphForward, SpanForward, split
     from remat.runtime.rewrite import regions_of, rewrite
     sys.path.insert(0, str(ROOT / "tests"))

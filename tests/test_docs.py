@@ -153,14 +153,14 @@ def test_the_spelling_check_finds_subpackage_spellings():
     assert _subpackage_spellings(text) == ["runtime.remove", "planner.plan", "runtime.testing.assert_fits",
                                            "remat.runtime.api.plan_and_wrap", "from remat.planner import PlanOptions, Plan"]
     fine = ("`remat.remove(model)`, `remat.plan`, `from remat import assert_fits`, `planner/api.py`, "
-            "`planner.fit.reuse_plan`, `runtime.rewrite.plan_modules`, `model.remat.plan`, `planner.storage`")
+            "`planner.solve.fit.reuse_plan`, `runtime.rewrite.plan_modules`, `model.remat.plan`, `planner.step.storage`")
     assert _subpackage_spellings(fine) == []
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")) + [README], ids=lambda p: p.name)
 def test_the_docs_spell_the_api_as_users_import_it(path):
     """One spelling of the public API in the docs: `remat.plan_and_wrap`, `from remat import ...`
-    (the names the package exports; internals such as `planner.fit.reuse_plan` may be named)."""
+    (the names the package exports; internals such as `planner.solve.fit.reuse_plan` may be named)."""
     assert _subpackage_spellings(path.read_text()) == [], f"{path.name}: spell these as remat.<name>"
 
 

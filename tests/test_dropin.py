@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from remat.planner.errors import InfeasibleBudgetError
-from remat.planner.storage import LiveBytes
+from remat.planner.step.storage import LiveBytes
 from remat.runtime import plan_and_wrap, remove
 from remat.runtime import examples
 

@@ -1,4 +1,4 @@
-"""planner/front.py: the exact (K, recompute) front of a segment by DP, judged by brute force over
+"""planner/solve/front.py: the exact (K, recompute) front of a segment by DP, judged by brute force over
 every plan and by the segment ILP it stands in for (no torch)."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from remat.planner.blocks import segments
-from remat.planner.front import cheapest, front
-from remat.planner.hierarchy import HierarchicalSolver
+from remat.planner.solve.blocks import segments
+from remat.planner.solve.front import cheapest, front
+from remat.planner.solve.hierarchy import HierarchicalSolver
 from remat.planner.options import SolveOptions
-from remat.planner.segment import SegmentILP
+from remat.planner.solve.segment import SegmentILP
 from test_hierarchy import block_chain
 
 
@@ -117,7 +117,7 @@ def test_a_segment_past_the_work_limit_is_left_to_the_ilp(monkeypatch):
     for fam, ilp in _families(1, size=6):
         assert front(ilp.sub, ilp.cands, work=1) is None
         assert front(ilp.sub, ilp.cands) is not None
-    import remat.planner.hierarchy as H
+    import remat.planner.solve.hierarchy as H
     cg = block_chain(3, n_blocks=4, size=5)
     monkeypatch.setattr(H, "front", lambda sub, cands: front(sub, cands, work=1))
     h = H.HierarchicalSolver(cg, SolveOptions(improve_evals=0))
@@ -128,7 +128,7 @@ def test_a_segment_past_the_work_limit_is_left_to_the_ilp(monkeypatch):
 def test_a_long_front_is_offered_evenly_with_both_ends():
     """Past FRONT_OPTIONS points, the options are spread evenly by rank and keep both ends (the least
     kept and no regions at all); a short front is offered whole."""
-    from remat.planner.hierarchy import _spread
+    from remat.planner.solve.hierarchy import _spread
     points = list(range(300))
     got = _spread(points, 128)
     assert len(got) == 128 and got[0] == 0 and got[-1] == 299 and got == sorted(set(got))

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import remat
 from remat.planner import analyze
-from remat.planner.baselines import every_block, sac_every_block
+from remat.planner.solve.baselines import every_block, sac_every_block
 from remat.planner.errors import InfeasibleBudgetError, UnsafePlanError
 from remat.runtime.measure import peak_memory
 from remat.runtime.rewrite import rewrite
@@ -159,7 +159,7 @@ def test_regions_under_double_backward(regions):
 def test_a_snapshot_restores_batchnorm_statistics_the_kernel_wrote_without_a_version():
     """BatchNorm's CPU kernel writes its running statistics without moving their version counters
     (fuzz seed 5009: a real run planning made changed them for good); state_preserved restores them."""
-    from remat.planner.state import state_preserved
+    from remat.planner.step.state import state_preserved
     bn, x = nn.BatchNorm2d(8), torch.randn(4, 8, 5, 5) + 3
     before = bn.running_mean.clone()
     with torch.no_grad(), state_preserved(bn):

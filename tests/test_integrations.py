@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.planner.storage import LiveBytes
+from remat.planner.step.storage import LiveBytes
 from remat.runtime import plan_and_wrap
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""planner/lower.py: the cheapest plan of a segment under a level of K and a cap on its peak, by DP,
+"""planner/solve/lower.py: the cheapest plan of a segment under a level of K and a cap on its peak, by DP,
 judged by brute force over every plan (the simulator's peak, the segment ILP's K) and by the
 segment ILP it stands in for (no torch)."""
 from __future__ import annotations
@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
-from remat.planner import solve as _ilp
-from remat.planner.front import cheapest, front
-from remat.planner.lower import TooMuchWork, cheapest_under, least_peak_under
+from remat.planner.solve import ilp as _ilp
+from remat.planner.solve.front import cheapest, front
+from remat.planner.solve.lower import TooMuchWork, cheapest_under, least_peak_under
 from remat.planner.options import SolveOptions
-from remat.planner.simulate import timeline
+from remat.planner.solve.simulate import timeline
 from test_front import _families, _ilp_kept, _plans
 from test_hierarchy import block_chain
 
@@ -102,9 +102,9 @@ def test_the_hierarchy_lowers_peaks_by_the_dp_and_falls_back_to_the_ilp(monkeypa
     """Where a family's exact front was made, its lower-peak and least-peak searches run no CBC;
     past the DP's work limit they are the segment ILP's again, and the plan for the budget fits
     either way."""
-    import remat.planner.hierarchy as H
-    import remat.planner.lower as L
-    from remat.planner.segment import SegmentILP
+    import remat.planner.solve.hierarchy as H
+    import remat.planner.solve.lower as L
+    from remat.planner.solve.segment import SegmentILP
     cg = block_chain(3, n_blocks=6, size=6)
     budget = (timeline(cg, ()).peak_bytes + cg.fixed_bytes) // 2
     asked = []

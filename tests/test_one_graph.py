@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from remat.planner.fit import same_where_planned
+from remat.planner.solve.fit import same_where_planned
 from remat.planner.result import Plan, Region
-from remat.planner.storage import LiveBytes
-from remat.planner.trace import Shapes
+from remat.planner.step.storage import LiveBytes
+from remat.planner.capture.trace import Shapes
 from remat.runtime import plan_and_wrap
 
 

@@ -2,7 +2,7 @@
 
 The plan trains bitwise like the unwrapped model, fits, and predicts its measured peak. Its time is
 benchmarks/plan_time_ssm.py's (benchmarks/results/plan-time-ssm.md), never a test's verdict; the
-proxy of the work asserted here: the exact front DP (planner/front.py) of a Mamba2 block stays
+proxy of the work asserted here: the exact front DP (planner/solve/front.py) of a Mamba2 block stays
 within FRONT_WORK (before its dominance across states it carried 2.1 M entries, gave up, and 9
 segment ILPs of ~12 s each searched the front instead)."""
 import copy
@@ -13,9 +13,9 @@ import torch
 
 from remat.planner import PlanOptions
 from remat.planner.api import analyze_for
-from remat.planner.front import front
-from remat.planner.hierarchy import for_graph
-from remat.planner.improve import search
+from remat.planner.solve.front import front
+from remat.planner.solve.hierarchy import for_graph
+from remat.planner.solve.improve import search
 from remat.runtime import plan_and_wrap
 from remat.runtime.examples import Example
 from remat.runtime.measure import peak_memory, preserved
@@ -62,7 +62,7 @@ def test_a_mamba2_blocks_front_is_made_by_the_dp():
     front the DP makes without a CBC run."""
     ex = mamba2()
     try:
-        from remat.planner import trace
+        from remat.planner.capture import trace
         dynamic, trace._dynamic = trace._dynamic, lambda *a: None    # export at the example sizes
         cg = analyze_for(ex.model, (), ex.kwargs, ex.loss_fn, PlanOptions()).cost_graph
     finally:

@@ -1,6 +1,6 @@
 """`remat`'s entry points called in a process (a test, a notebook, a training script) leave it as
 they found it: loggers, the environment, torch's global settings and RNG, the attention-kernel
-override (planner.kernels), warning filters, the garbage collector (NOTE [ solving without the
+override (planner.step.kernels), warning filters, the garbage collector (NOTE [ solving without the
 cyclic GC ]), matplotlib's backend. A snapshot is taken before and
 after each call and compared field by field.
 """
@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-import remat.planner.kernels as kernels
+import remat.planner.step.kernels as kernels
 from remat.planner import PlanOptions, SolveOptions
 from remat.runtime import examples, plan_and_wrap
 from remat.runtime.cli import plots
@@ -179,7 +179,7 @@ def test_cli_restores_the_process_when_model_code_exits(unchanged, tmp_path, cap
 
 
 def test_cli_through_torch_export_leaves_the_process_as_it_was(unchanged, tmp_path, capsys):
-    """The export path: fx's failure and export's own logging silenced (planner.trace._quiet)
+    """The export path: fx's failure and export's own logging silenced (planner.capture.trace._quiet)
     only while capturing."""
     path = tmp_path / "models.py"
     path.write_text(MODELS)

@@ -1,5 +1,5 @@
 """Quiet (issue 41, item 2): remat's own calls into PuLP raise none of PuLP's warnings where a
-user's pytest shows them (planner/cbc.py, NOTE [ PuLP's deprecation warnings ]). Every test
+user's pytest shows them (planner/solve/cbc.py, NOTE [ PuLP's deprecation warnings ]). Every test
 records with every warning shown, as pytest does; before, each PuLP variable remat made warned."""
 import warnings
 from pathlib import Path
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import remat
-from remat.planner import cbc
-from remat.planner.modules import ModuleProfile, Unit, solve_units
+from remat.planner.solve import cbc
+from remat.planner.profile.modules import ModuleProfile, Unit, solve_units
 from remat.runtime import plan_and_wrap
 from remat.runtime.examples import EXAMPLES
 

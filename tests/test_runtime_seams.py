@@ -24,7 +24,7 @@ def test_assert_fits_does_not_import_the_cli():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("where", ["runtime", "planner/result.py", "planner/fit.py", "planner/distributed.py"])
+@pytest.mark.parametrize("where", ["runtime", "planner/result.py", "planner/solve/fit.py", "planner/distributed.py"])
 def test_no_meta_string_lookups_outside_the_facts(where):
     files = sorted((ROOT / where).rglob("*.py")) if (ROOT / where).is_dir() else [ROOT / where]
     found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files

@@ -10,9 +10,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.planner.errors import TraceError
-from remat.planner.check import check_capture
-from remat.planner.state import assign_attribute
-from remat.planner.trace import Traced, capture
+from remat.planner.capture.check import check_capture
+from remat.planner.step.state import assign_attribute
+from remat.planner.capture.trace import Traced, capture
 from remat.runtime import plan_and_wrap
 from remat.runtime.measure import peak_memory
 

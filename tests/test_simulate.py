@@ -8,8 +8,8 @@ from helpers import ilp_peaks_of_random_plans
 
 from remat.planner import solve_plan
 from remat.planner.api import analyze
-from remat.planner.candidates import candidates
-from remat.planner.simulate import timeline
+from remat.planner.solve.candidates import candidates
+from remat.planner.solve.simulate import timeline
 from remat.runtime.rewrite import rewrite, rewrite_plan
 from remat.runtime.measure import dry_run_peak
 

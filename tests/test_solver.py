@@ -13,12 +13,12 @@ import pytest
 from helpers import ilp_peaks_of_random_plans
 
 from remat.planner import CostGraph, InfeasibleBudgetError, Plan, PlanOptions, Region, SolveOptions, solve_plan
-from remat.planner.baselines import known_plans, sac_keepable
-from remat.planner.candidates import candidates, trivial_nodes
+from remat.planner.solve.baselines import known_plans, sac_keepable
+from remat.planner.solve.candidates import candidates, trivial_nodes
 from remat.planner.costgraph import NodeCost, StorageCost
-from remat.planner.improve import Judge, improve
-from remat.planner.simulate import timeline
-from remat.planner.solve import solve_ilp
+from remat.planner.solve.improve import Judge, improve
+from remat.planner.solve.simulate import timeline
+from remat.planner.solve.ilp import solve_ilp
 
 MB = 10**6
 
@@ -354,9 +354,10 @@ def test_sac_off_binds_every_plan(case):
     assert any(saved[True]) and not any(saved[False])
 
 
-PURE_CORE = ("costgraph", "simulate", "candidates", "baselines", "improve", "solve", "fit", "result", "budget",
-             "units", "rates", "options", "errors", "hierarchy", "blocks", "segment", "chain", "distributed", "lazy",
-             "cbc", "cachedir")
+PURE_CORE = ("costgraph", "solve.simulate", "solve.candidates", "solve.baselines", "solve.improve", "solve.ilp",
+             "solve.fit", "result", "facts", "budget", "units", "profile.rates", "options", "errors", "solve.hierarchy",
+             "solve.blocks", "solve.segment", "solve.chain", "solve.front", "solve.lower", "distributed", "lazy",
+             "solve.cbc", "solve.nogc", "cachedir")
 
 
 def test_the_pure_core_imports_without_torch():
@@ -380,7 +381,7 @@ def test_solved_ilps_are_kept_on_disk_and_a_bad_file_is_solved_anew(monkeypatch,
     result from disk without running CBC, the same plan; a file that is corrupt or does not fit the
     problem is logged, solved anew and rewritten; a result reached at CBC's time limit is not
     written; REMAT_CACHE=0 turns the store off."""
-    import remat.planner.cbc as ilp
+    import remat.planner.solve.cbc as ilp
     monkeypatch.setenv("REMAT_SOLVE_CACHE", "1")
     monkeypatch.setenv("REMAT_SOLVE_CACHE_DIR", str(tmp_path))
     runs = []
@@ -423,8 +424,8 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
     peak instead of failing with SolverError."""
     import pulp
 
-    import remat.planner.solve as solve
-    from remat.planner.baselines import known_plans
+    import remat.planner.solve.ilp as solve
+    from remat.planner.solve.baselines import known_plans
 
     cg = chain(8, [4, 3, 5, 2, 6, 3, 4, 1], [5, 1, 6, 1, 7, 1, 5, 1])
     monkeypatch.setattr(solve, "run_cbc", lambda *a, **k: (0.0, "Not Solved", pulp.LpSolutionNoSolutionFound))
@@ -436,9 +437,9 @@ def test_least_peak_falls_back_to_the_known_plans_when_cbc_finds_none(monkeypatc
 
 
 def test_reuse_plan_keeps_regions_where_they_fit_and_only_there():
-    """planner.fit.reuse_plan: a plan's regions on the same graph at other sizes, predicted as
+    """planner.solve.fit.reuse_plan: a plan's regions on the same graph at other sizes, predicted as
     solve_plan predicts (here the simulator); None where they do not fit or the graph differs."""
-    from remat.planner.fit import reuse_plan
+    from remat.planner.solve.fit import reuse_plan
     big = chain(4, [8, 1, 8, 1], [1, 1, 1000, 1])
     plan = solve_plan(big, 26 * MB)
     assert plan.regions
@@ -458,21 +459,21 @@ def test_cbc_runs_serially_unless_more_threads_are_asked_for():
     """NOTE [ CBC's threads ]: `threads 1` makes CBC's parallel search wait for a worker that may
     never start, until the time limit; one thread is asked for by leaving the option out. Every
     CBC command of the planner is made by `cbc_command`."""
-    from remat.planner.cbc import cbc_command
+    from remat.planner.solve.cbc import cbc_command
     assert cbc_command().optionsDict.get("threads") is None
     assert cbc_command(SolveOptions().threads).optionsDict.get("threads") is None
     assert cbc_command(4).optionsDict["threads"] == 4
     root = pathlib.Path(__file__).resolve().parents[1]
     made = [str(f.relative_to(root)) for d in ("planner", "runtime") for f in (root / d).rglob("*.py")
             if "PULP_CBC_CMD(" in f.read_text()]
-    assert made == ["planner/cbc.py"], made
+    assert made == ["planner/solve/cbc.py"], made
 
 
 def test_the_same_ilp_is_solved_once(monkeypatch):
     """NOTE [ solved once ]: a problem solved before in the process comes back from memory with
     the plan a fresh CBC run gives; any change to what CBC is given (the budget, a warm start, an
     option) is solved anew."""
-    import remat.planner.cbc as ilp
+    import remat.planner.solve.cbc as ilp
     monkeypatch.setenv("REMAT_SOLVE_CACHE", "0")           # the memory alone (the disk: the next test)
     runs = []
     real = pulp.LpProblem.solve

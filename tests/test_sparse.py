@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from remat.planner.check import _first_sample
+from remat.planner.capture.check import _first_sample
 from remat import InputLayoutError
 from remat.runtime import plan_and_wrap
 

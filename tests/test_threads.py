@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.nn as nn
 
-from remat.planner import fidelity, muted
+from remat.planner.capture import fidelity, muted
 from remat.runtime import plan_and_wrap
 
 from helpers import FAST
@@ -108,7 +108,7 @@ def test_planning_in_one_thread_leaves_another_training_thread_alone(capfd):
 
 
 def test_the_collector_is_paused_only_in_a_process_of_one_thread():
-    from remat.planner.nogc import paused
+    from remat.planner.solve.nogc import paused
     seen = paused(lambda: gc.isenabled())
     alone = threading.active_count() == 1      # a library's idle thread (tqdm's monitor) may be about
     assert seen() is not alone and gc.isenabled()

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
-from remat.planner.profile import draws_random
-from remat.planner.storage import PINNING_LOSSES, LiveBytes
+from remat.planner.profile.graph import draws_random
+from remat.planner.step.storage import PINNING_LOSSES, LiveBytes
 from remat.runtime import plan_and_wrap
 from remat.runtime.measure import peak_memory
 
@@ -286,7 +286,7 @@ def test_ops_outside_torchs_namespaces_are_random_unless_declared():
 
 
 def test_opaque_modules_are_never_kept_by_a_sac_region():
-    from remat.planner.baselines import sac_keepable
+    from remat.planner.solve.baselines import sac_keepable
     from remat.runtime.rewrite import rewrite
     from remat.planner.errors import UnsafePlanError
     from remat.planner.result import Plan, Region
@@ -314,7 +314,7 @@ def test_opaque_modules_are_never_kept_by_a_sac_region():
 
 def test_planning_leaves_every_rng_as_it_found_it(monkeypatch):
     import numpy as np
-    from remat.planner import rng as rng_module
+    from remat.planner.step import rng as rng_module
     model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 4))
     x = torch.randn(8, 32)
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
@@ -404,7 +404,7 @@ def test_fake_batch_norm_lays_its_output_out_as_the_real_kernel():
     """CPU native_batch_norm returns a contiguous output for a transposed (N, C, L) input; its meta
     kernel keeps the input's strides, so a later reshape copied for real only (fuzz seed 22)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.planner.storage import real_layout
+    from remat.planner.step.storage import real_layout
     x = torch.randn(2, 12, 16).transpose(1, 2)          # (N, C, L), channels innermost
     args = (x, torch.ones(16), torch.zeros(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)
     fwd = torch.ops.aten.native_batch_norm.default
@@ -434,7 +434,7 @@ def test_fake_norms_of_autocast_dtypes_are_the_real_kernels(norm):
     gives the input's dtype where its meta kernel gives float32. LayerNorm's were under-predicted
     (4 kB at examples.mlp's floor under autocast, measured over the budget; fuzz seeds 2 and 19)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from remat.planner.storage import real_layout
+    from remat.planner.step.storage import real_layout
     aten = torch.ops.aten
     x, w, b = torch.randn(4, 8, 6, dtype=torch.bfloat16), torch.ones(8), torch.zeros(8)
     op, args = {"batch": (aten.native_batch_norm.default, (x, w, b, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
@@ -545,12 +545,12 @@ class _Attention(nn.Module):
 def test_attention_planned_on_meta_is_the_devices_attention(mask_dtype, kv, dtype):
     """On meta tensors sdpa runs the math kernel (the attention matrix saved, in float32); a CPU
     or CUDA device runs a flash kernel. Planned on meta, the step is the CPU's to the byte
-    (planner/kernels.py), and the attention's FLOPs are counted on both. (Only the count of ops
+    (planner/step/kernels.py), and the attention's FLOPs are counted on both. (Only the count of ops
     dispatched differs: the CPU's sdpa dispatches its kernel choice and views too: the plans are
     compared with no cost per op, so that recompute costs are the same on both.)"""
     from dataclasses import replace
 
-    from remat.planner.rates import DeviceRates
+    from remat.planner.profile.rates import DeviceRates
     no_op_cost = PlanOptions(rates=replace(DeviceRates.for_device("cpu"), op_s=0.0))
     graphs = {}
     for device in ("cpu", "meta"):
@@ -633,7 +633,7 @@ def test_known_plans_replay_under_autocast_as_the_real_step_measures():
     known plan's recompute (found cached casts), so every plan_and_wrap under autocast that
     replayed it (a budget below the floor, a SAC plan chosen) raised RuntimeError; hf-gpt2's was
     an IndexError in an SDPA transpose. Now each replays to the byte of the real step's meter."""
-    from remat.planner.baselines import known_plans
+    from remat.planner.solve.baselines import known_plans
     from remat.runtime.api import ExactReplay
     from remat.runtime.rewrite import rewrite
     torch.manual_seed(0)
@@ -661,7 +661,7 @@ def test_hf_gpt2_plans_under_autocast():
     IndexError in an SDPA transpose during the recompute, and so did plan_and_wrap at 35%."""
     pytest.importorskip("transformers")
     from benchmarks.models import MODELS
-    from remat.planner.baselines import known_plans
+    from remat.planner.solve.baselines import known_plans
     from remat.runtime.api import ExactReplay
     from remat.runtime.rewrite import rewrite
     ex = MODELS["hf-gpt2"]()
@@ -705,11 +705,11 @@ def test_a_layer_norm_model_under_autocast_fits_as_predicted():
 
 
 def test_the_dispatch_modes_find_the_tensors_pytree_finds():
-    """planner/storage.py tensors_in (the meter's hot path) against pytree's leaves: the same
+    """planner/step/storage.py tensors_in (the meter's hot path) against pytree's leaves: the same
     tensors in the same order, through tuples, lists, dicts, named tuples and nesting."""
     from collections import namedtuple
     from remat.planner.compat import tree_flatten
-    from remat.planner.storage import tensors_in
+    from remat.planner.step.storage import tensors_in
     a, b, c = torch.randn(2), torch.randn(3), torch.randn(1)
     Pair = namedtuple("Pair", "x y")
     for tree in [(), a, (a, [b, 1, None], {"k": c, "n": 2.0}), ([(a,), [[b]]], {}), (Pair(a, b), [c, "s"]),
@@ -759,11 +759,11 @@ def test_the_allocator_peak_puts_back_the_frees_the_profiler_misses(seed):
 
 
 def test_host_rng_moved_sees_every_draw_from_python_and_numpy():
-    """planner/rng.py host_rng_moved (capture's check that forward froze no host randomness):
+    """planner/step/rng.py host_rng_moved (capture's check that forward froze no host randomness):
     numpy's state compared field by field, its Gaussian cache included; a reseed to the same
     state is no draw."""
     import numpy as np
-    from remat.planner.rng import host_rng_moved, host_rng_state
+    from remat.planner.step.rng import host_rng_moved, host_rng_state
     draws = [lambda: np.random.rand(), lambda: np.random.randn(), lambda: random.random(),
              lambda: np.random.randint(3), lambda: np.random.seed(1)]
     for draw in draws:

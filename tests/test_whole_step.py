@@ -3,7 +3,7 @@
 A loss that reads the model's weights itself (a fused linear-cross-entropy applying
 `model.lm_head.weight` chunk by chunk, under the user's own checkpoint, reentrant or not, or none; a head tied to the
 embedding; a head only the loss applies) reads them as the graph does while remat plans
-(planner/step.py, NOTE [ one fake per real tensor ]): no fake tensor is left where the user can
+(planner/step/fake.py, NOTE [ one fake per real tensor ]): no fake tensor is left where the user can
 reach it, a weight read by the model and the loss is counted once, and training is bitwise the
 unwrapped model's.
 """

@@ -1,5 +1,5 @@
 """The math libraries' workspaces are in the budget (issue 41, item 4): on CUDA a plan counts the
-cuBLAS/cuBLASLt workspace a step leaves allocated as live throughout (planner/workspace.py); on a
+cuBLAS/cuBLASLt workspace a step leaves allocated as live throughout (planner/step/workspace.py); on a
 CPU there is none. The accounting is checked here with a stand-in measurement (no GPU in CI):
 every peak the plan reports grows by exactly the workspace, and the plan still fits."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import remat.planner.api as planner_api
-from remat.planner.workspace import workspace_bytes
+from remat.planner.step.workspace import workspace_bytes
 from remat.runtime import examples, plan_and_wrap
 
 MIB = 1 << 20

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from remat.planner.baselines import every_block
-from remat.planner.simulate import timeline
+from remat.planner.solve.baselines import every_block
+from remat.planner.solve.simulate import timeline
 from remat.runtime import peak_memory, plan_and_wrap
 from remat.runtime.measure import preserved
 
@@ -97,10 +97,10 @@ def test_nodes_that_draw_random_numbers_are_never_kept():
     dropout after it would draw another mask: the planner never offers it, and the rewriter
     refuses a plan that keeps it, before any result is wrong."""
     from remat.planner import analyze
-    from remat.planner.baselines import sac_every_block, sac_keepable
+    from remat.planner.solve.baselines import sac_every_block, sac_keepable
     from remat.planner.errors import UnsafePlanError
     from remat.planner.result import Plan, Region
-    from remat.planner.trace import capture
+    from remat.planner.capture.trace import capture
     from remat.runtime.rewrite import rewrite
     x = torch.randn(4, 16, 32)
     for p in (0.0, 0.2):

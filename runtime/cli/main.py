@@ -33,13 +33,13 @@ with warnings.catch_warnings():
     from remat.planner.budget import parse_budget, parse_budget_range, parse_percent, size_text
     from remat.planner.errors import BudgetError
     from remat.planner.result import Plan
-    from remat.planner.rng import rng_preserved
-    from remat.planner.simulate import timeline
+    from remat.planner.step.rng import rng_preserved
+    from remat.planner.solve.simulate import timeline
 
     from . import plots
     from ..distributed import per_rank_analysis
     from .report import report_text, segments, table
-    from remat.planner.fit import unplanned_peak_bytes
+    from remat.planner.solve.fit import unplanned_peak_bytes
 
     from ..budget import StepBudget
     from ..steps import Loaded, measure_extra_pct, measure_peak_bytes, solve_budget, time_plan
@@ -440,8 +440,8 @@ def _say_logs(say):
 # separate `remat` process would: the loggers as they were (_say_logs), and every RNG, so that
 # a user factory's draws (its weights, its inputs) do not move the caller's random stream and a
 # second call builds the same model. Both hold however a command ends, SystemExit included.
-# What the planner and runtime.measure change they put back themselves (planner.kernels,
-# planner.muted, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
+# What the planner and runtime.measure change they put back themselves (planner.step.kernels,
+# planner.capture.muted, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
 # them all to a snapshot of the process.
 def main(argv: list[str] | None = None) -> int:
     try:

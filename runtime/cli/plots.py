@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from remat.planner.result import Region
-from remat.planner.simulate import Timeline
+from remat.planner.solve.simulate import Timeline
 
 FIGSIZE_IN = (9.0, 5.0)
 DPI = 100

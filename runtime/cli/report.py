@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from remat.planner import CostGraph, PlanOptions
 from remat.planner.result import Plan, Region
-from remat.planner.simulate import keep_release, region_index, region_recompute, timeline
+from remat.planner.solve.simulate import keep_release, region_index, region_recompute, timeline
 
 from remat.planner.budget import size_text
 

@@ -11,7 +11,7 @@ from remat.planner import PlanOptions, solve_plan
 from remat.planner.api import analyze_for
 from remat.planner.budget import Budget
 from remat.planner.distributed import Sharding, per_rank
-from remat.planner.fit import unplanned_peak_bytes
+from remat.planner.solve.fit import unplanned_peak_bytes
 from remat.planner.result import Plan
 
 from ..budget import StepBudget

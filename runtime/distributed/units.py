@@ -29,9 +29,9 @@ import types
 import torch
 import torch.fx as fx
 
-from remat.planner.profile import compute_nodes
+from remat.planner.profile.graph import compute_nodes
 from remat.planner.result import Plan, Region
-from remat.planner.trace import Traced
+from remat.planner.capture.trace import Traced
 
 from ..rewrite import regions_of, rewrite, view_replay
 

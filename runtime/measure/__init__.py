@@ -1,9 +1,9 @@
 """What a training step really costs: its peak on real tensors (`peak`) and the exact replay of a
 rewritten step on fake tensors (`replay`). Imports only the planner: the step's rules are
-planner.step's (`training_loss`), and a real step is undone by planner.state's `step_preserved`
+planner.step.fake's (`training_loss`), and a real step is undone by planner.step.state's `step_preserved`
 (exported here as `preserved`)."""
-from remat.planner.state import step_preserved as preserved
-from remat.planner.step import training_loss
+from remat.planner.step.state import step_preserved as preserved
+from remat.planner.step.fake import training_loss
 
 from .peak import allocator_peak, peak_memory
 from .replay import dry_run_peak

@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from remat.planner.compat import ProfilerEventType, tree_flatten
 
-from remat.planner.storage import LiveBytes, storage_of, tensors_in
+from remat.planner.step.storage import LiveBytes, storage_of, tensors_in
 
 
 def _tensors(things) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 The CostGraph simulator is a model of PyTorch's memory behaviour; this is the behaviour itself:
 the rewritten GraphModule runs forward, loss and backward (with its checkpoint recomputes)
-under FakeTensorMode (on meta copies without it where the step is all on meta: planner/step.py,
+under FakeTensorMode (on meta copies without it where the step is all on meta: planner/step/fake.py,
 NOTE [ meta step ]), with the same dispatcher-level meter used for real CPU steps. Nothing
 real is allocated, so a plan for a step larger than this machine can still be checked.
 """
@@ -12,10 +12,10 @@ import contextlib
 
 import torch
 
-from remat.planner.opaque import stand_in, step_held
-from remat.planner.state import hooks_set, instance_forwards, named_tensors
-from remat.planner.step import fake_step, meta_first, run_step, training_loss
-from remat.planner.storage import LiveBytes
+from remat.planner.profile.opaque import stand_in, step_held
+from remat.planner.step.state import hooks_set, instance_forwards, named_tensors
+from remat.planner.step.fake import fake_step, meta_first, run_step, training_loss
+from remat.planner.step.storage import LiveBytes
 
 
 @contextlib.contextmanager
@@ -50,7 +50,7 @@ def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[
     every tensor the step reads, such as a loss target, included), the output released once the
     loss is computed unless `keep_output`; `grads`: every parameter gradient exists from the
     start (gradient accumulation). `opaque` modules are stood in for by their measured memory
-    behaviour (planner.opaque)."""
+    behaviour (planner.profile.opaque)."""
     def run(meta: bool) -> int:
         with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads, meta) as fake, \
                 LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:

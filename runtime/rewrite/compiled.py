@@ -7,7 +7,7 @@ can save more or less (benchmarks/results/solver-notes.md has a case). So
 `CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the model
 rewritten with the regions asked about, runs two real steps on the example inputs (the first
 compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at the
-allocator. The planner's budget correction loop (planner.fit, NOTE [ budget correction ]) then
+allocator. The planner's budget correction loop (planner.solve.fit, NOTE [ budget correction ]) then
 works on measured compiled peaks, and the compiled module of the chosen plan is kept for
 training.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from remat.planner.state import training_modes
+from remat.planner.step.state import training_modes
 
 from ..measure import peak_memory, preserved, training_loss
 from .graph import rewrite
@@ -27,7 +27,7 @@ class CompiledReplay:
     """measure(regions) -> peak bytes of the compiled, rewritten step; compiled modules by plan."""
 
     what = "the compiled step, measured at the allocator (a real step per plan tried)"
-    rounds = 6          # solves the budget correction may take (planner.fit, NOTE [ budget correction ])
+    rounds = 6          # solves the budget correction may take (planner.solve.fit, NOTE [ budget correction ])
 
     def __init__(self, model: torch.nn.Module, analysis, loss_fn, compile_kwargs: dict):
         self.model, self.analysis, self.loss_fn = model, analysis, loss_fn

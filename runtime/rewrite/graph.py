@@ -21,9 +21,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from remat.planner.compat import force_original_view_tracking
 from remat.planner.errors import UnsafePlanError
 from remat.planner.facts import StepFacts
-from remat.planner.profile import compute_nodes, draws_random
+from remat.planner.profile.graph import compute_nodes, draws_random
 from remat.planner.result import Plan, Region
-from remat.planner.state import Snapshot
+from remat.planner.step.state import Snapshot
 
 from .sac import selective_contexts
 
@@ -54,7 +54,7 @@ def _policy(ctx, op, *args, deterministic_ops: frozenset[str] = frozenset(), **k
     its start, so a cached draw would shift every later one (another dropout mask), and
     recomputing the draw alone would rewrite a cached buffer (attention's dropout mask is
     `empty_like` then `bernoulli_`). The planner never keeps such nodes
-    (planner.baselines.sac_keepable); a plan that does is refused here, before anything is wrong."""
+    (planner.solve.baselines.sac_keepable); a plan that does is refused here, before anything is wrong."""
     if getattr(_SAVE, "depth", 0) > 0 and not _is_view(op):
         if draws_random(op, args, kwargs, deterministic_ops):
             raise UnsafePlanError(f"the plan keeps node {getattr(_SAVE, 'node', '?')!r}, which draws random numbers "

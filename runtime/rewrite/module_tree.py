@@ -1,6 +1,6 @@
 """Module-tree plans: checkpoint whole submodule calls of a model no tracer captures.
 
-planner.modules profiles the units and picks them; this module applies the choice (each chosen
+planner.profile.modules profiles the units and picks them; this module applies the choice (each chosen
 module's forward runs under non-reentrant checkpoint while the wrapped model runs) and measures
 a choice with one real step, which is the prediction this path reports.
 """
@@ -15,13 +15,13 @@ import torch
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from remat.planner import PlanOptions
-from remat.planner.optimizer import optimizer_memory
+from remat.planner.step.optimizer import optimizer_memory
 from remat.planner.errors import InfeasibleBudgetError
-from remat.planner.fit import replay_margin
-from remat.planner.modules import ModuleProfile, block_units, profile_modules, solve_units
+from remat.planner.solve.fit import replay_margin
+from remat.planner.profile.modules import ModuleProfile, block_units, profile_modules, solve_units
 from remat.planner.result import Plan, Region
-from remat.planner.state import instance_forwards, step_preserved, training_modes
-from remat.planner.step import run_step, training_loss
+from remat.planner.step.state import instance_forwards, step_preserved, training_modes
+from remat.planner.step.fake import run_step, training_loss
 
 from ..budget import StepBudget
 from ..measure import peak_memory
@@ -107,10 +107,10 @@ def _refuses(step) -> bool:
 
 def plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, options: PlanOptions,
                  why: str, optimizer=None) -> Plan:
-    """A Plan over the module tree: units chosen by planner.modules, each choice measured, in
-    the modes of the training step (planner.state). A '%' `budget` is resolved at the measured
+    """A Plan over the module tree: units chosen by planner.profile.modules, each choice measured, in
+    the modes of the training step (planner.step.state). A '%' `budget` is resolved at the measured
     unplanned step (runtime.budget). With `optimizer`, its state is added to each
-    measured step and its step (planner.optimizer) is a phase of its own."""
+    measured step and its step (planner.step.optimizer) is a phase of its own."""
     with training_modes(model):
         return _plan_modules(model, args, kwargs, loss_fn, budget, options, why, optimizer)
 
@@ -150,7 +150,7 @@ class _UnitSteps:
 def _plan_modules(model, args: tuple, kwargs: dict, loss_fn, budget: StepBudget, options: PlanOptions,
                   why: str, optimizer=None) -> Plan:
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):     # the same profile in every run (planner.modules)
+    with torch.random.fork_rng(devices=[]):     # the same profile in every run (planner.profile.modules)
         torch.manual_seed(0)
         prof: ModuleProfile = profile_modules(model, args, kwargs, loss_fn)
     names = [u.name for u in prof.units]

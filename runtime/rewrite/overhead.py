@@ -1,5 +1,5 @@
 """What a region of this rewriter costs on a device beyond recomputing its ops, measured through
-the rewriter itself: the `Overheads` of the planner's measured cost model (planner/costs.py).
+the rewriter itself: the `Overheads` of the planner's measured cost model (planner/profile/costs.py).
 
 A chain of cheap ops (tanh on 64 numbers: each saves its output, so a region's recompute runs)
 is traced and rewritten (`rewrite`) as the planner's plans are, and its training steps are timed
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from remat.planner.costs import OverheadProbe, Overheads, time_call
-from remat.planner.profile import compute_nodes
+from remat.planner.profile.costs import OverheadProbe, Overheads, time_call
+from remat.planner.profile.graph import compute_nodes
 from remat.planner.result import Region
 
 from .graph import rewrite, view_replay

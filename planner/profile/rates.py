@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class DeviceRates:
     """Nominal device speed for the recompute-time estimate: a roofline of FLOPs and bytes moved,
     plus a fixed cost per dispatched op (eager PyTorch launches each op from Python), and what a
-    checkpoint region of the runtime adds beyond its ops (planner/costs.py: `Overheads`)."""
+    checkpoint region of the runtime adds beyond its ops (planner/profile/costs.py: `Overheads`)."""
     flops_per_s: float
     bytes_per_s: float
     op_s: float

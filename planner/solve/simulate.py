@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
-from .costgraph import CostGraph
-from .result import Region
+from remat.planner.costgraph import CostGraph
+from remat.planner.result import Region
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ class Timeline:
 
 class Base(NamedTuple):
     """The live bytes every plan has (NOTE [ liveness ] without K, J and W), computed here only:
-    the simulator, the ILP (planner/solve.py), the local search (planner/improve.py) and the
-    candidates (planner/candidates.py) all start from it."""
+    the simulator, the ILP (planner/solve/ilp.py), the local search (planner/solve/improve.py) and the
+    candidates (planner/solve/candidates.py) all start from it."""
     fwd: tuple[int, ...]        # F + storages between their producer and last reader + fwd_extra_t,
                                 # plus outputs kept to the end of forward
     bwd: tuple[int, ...]        # F + G_param(t) + G_act(t) + outputs + bwd_extra_t

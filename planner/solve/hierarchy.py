@@ -1,6 +1,6 @@
 """A solver that scales: repeated blocks solved once, then chained (pure: no torch).
 
-The flat ILP (planner/solve.py) is exact when every region is offered (planner/candidates.py,
+The flat ILP (planner/solve/ilp.py) is exact when every region is offered (planner/solve/candidates.py,
 `FULL_PAIRS`), but a 32-layer Llama has ~1900 nodes, and there CBC stops at its limits with poor
 plans or none. Most of such a graph is one block again and again, so `HierarchicalSolver`:
 
@@ -15,16 +15,16 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
 3. *Options.* For the middle block of each family, and for each other segment, the segment is
    made a CostGraph of its own (`segment_graph`: a source node stands for what comes before it, a
    sink for what comes after) and NOTE [ ILP ]'s exact model over it (every region inside offered,
-   built from planner/solve.py's own pieces; `SegmentILP`) gets one more constraint: K, the bytes
+   built from planner/solve/ilp.py's own pieces; `SegmentILP`) gets one more constraint: K, the bytes
    the segment keeps for backward, at most a level. The epsilon-constraint method on K (the
    cheapest plan keeping at most a level) traces the segment's Pareto front of K against recompute,
    its widest gaps searched first (LEVELS solves). The cheapest plans come from the segment's
-   exact front, made once by a DP over its boundaries (planner/front.py, NOTE [ front DP ]: no CBC
+   exact front, made once by a DP over its boundaries (planner/solve/front.py, NOTE [ front DP ]: no CBC
    run; the ILP answers where the DP would carry too much), and every point of that front is an
    option too. Plans of a lower peak at the options each budget picks, and of least peak at
    LOW_PEAK levels (made when the floor is sought, or when no chained plan fits a budget without
    them: NOTE [ least peak when needed ]), come from the same DP with the peak checked at every node
-   (planner/lower.py, NOTE [ lower DP ]: no CBC run either); where the DP would carry too much,
+   (planner/solve/lower.py, NOTE [ lower DP ]: no CBC run either); where the DP would carry too much,
    from the segment ILP with a bound on the peak. Each plan is scored in the context of every
    segment of its family (`Option`: K, M, recompute).
    The ILPs are solved WIDTH at a time (`run_jobs`: each job on its own copy of the family's
@@ -32,9 +32,9 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
 4. *The chain* and 5. *the judge*: one option per segment, picked by a DP over the bytes kept so
    far, replayed by the simulator and corrected, polished by the flat ILP on small graphs
-   (planner/chain.py, NOTE [ chain ]).
+   (planner/solve/chain.py, NOTE [ chain ]).
 
-The structure (blocks, segments) is in planner/blocks.py, a segment alone in planner/segment.py.
+The structure (blocks, segments) is in planner/solve/blocks.py, a segment alone in planner/solve/segment.py.
 """
 from __future__ import annotations
 
@@ -45,20 +45,20 @@ from dataclasses import replace
 from typing import NamedTuple
 
 
-from . import solve as _ilp
-from .baselines import known_plans
-from .blocks import Segment, segments
-from .candidates import FULL_PAIRS, candidates
-from .chain import chain_dp, chain_min_peak
-from .costgraph import CostGraph
-from .front import cheapest, front
-from .improve import Search, evals, improve, search
-from .lower import TooMuchWork, cheapest_under, least_peak_under
-from .nogc import paused
-from .options import SolveOptions
-from .result import Region
-from .segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
-from .simulate import base_liveness, timeline
+from remat.planner.solve import ilp as _ilp
+from remat.planner.solve.baselines import known_plans
+from remat.planner.solve.blocks import Segment, segments
+from remat.planner.solve.candidates import FULL_PAIRS, candidates
+from remat.planner.solve.chain import chain_dp, chain_min_peak
+from remat.planner.costgraph import CostGraph
+from remat.planner.solve.front import cheapest, front
+from remat.planner.solve.improve import Search, evals, improve, search
+from remat.planner.solve.lower import TooMuchWork, cheapest_under, least_peak_under
+from remat.planner.solve.nogc import paused
+from remat.planner.options import SolveOptions
+from remat.planner.result import Region
+from remat.planner.solve.segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
+from remat.planner.solve.simulate import base_liveness, timeline
 
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
 LOW_PEAK = 2         # at how many of the K found the plan of least peak is solved for, when needed
@@ -109,7 +109,7 @@ class _Family:
         self.ilp = self.ilps[0]
         self.min_gap = max(min_gap, 4 * self.ilp.tol)      # MB: narrower gaps are not searched
         # the segment's whole (K, recompute) front over the ILP's candidates, K as the ILP reads it
-        # (planner/front.py): every plan the splits by ILP would find, without a CBC run; None where
+        # (planner/solve/front.py): every plan the splits by ILP would find, without a CBC run; None where
         # the DP would carry too much (the ILP's splits search the front then)
         self.exact = front(self.ilp.sub, self.ilp.cands) if self.ilp.cands else None
         self.plans: list[tuple[Region, ...]] = []
@@ -235,7 +235,7 @@ def run_jobs(jobs: list[Job]) -> list:
 class HierarchicalSolver:
     """The hierarchical solve of one graph (module docstring): segment options made once (and
     refined where each budget's chain needs them), solved per budget. `solve` and `min_peak` are
-    called like planner.solve's solve_ilp and solve_min_peak and return its Solution."""
+    called like planner.solve.ilp's solve_ilp and solve_min_peak and return its Solution."""
 
     def __init__(self, cg: CostGraph, opts: SolveOptions = SolveOptions(), ctx: Search | None = None):
         t0 = time.perf_counter()
@@ -419,7 +419,7 @@ class HierarchicalSolver:
         """Least-recompute plan whose simulated peak fits `budget_bytes`: the chain (NOTE [ chain ]),
         judged by the simulator and corrected, polished by the flat ILP over the compact candidates
         on small graphs, then local search; from `warm_start` (a known plan that fits) when the
-        chain finds none. None when nothing fits. Called like planner.solve.solve_ilp (`cg`, `cands`
+        chain finds none. None when nothing fits. Called like planner.solve.ilp.solve_ilp (`cg`, `cands`
         and `ctx` are this solver's own)."""
         t0 = time.perf_counter()
         opts = opts or self.opts

@@ -1,7 +1,7 @@
 """solve_plan(): from a CostGraph and a budget to the Plan that fits it (pure, no torch).
 
-The simulator (planner/simulate.py) predicts every plan; the ILP (planner/solve.py) and the
-hand-made plans (planner/baselines.py) propose them. When the caller can also measure a plan
+The simulator (planner/solve/simulate.py) predicts every plan; the ILP (planner/solve/ilp.py) and the
+hand-made plans (planner/solve/baselines.py) propose them. When the caller can also measure a plan
 exactly (a `Measure`: the rewritten step replayed on fake tensors, or the compiled step run for
 real), that measurement is the prediction, and the budget the ILP sees is corrected by it:
 NOTE [ budget correction ] below.
@@ -16,17 +16,17 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from . import hierarchy
-from .baselines import known_plans
-from .candidates import Candidate, candidates
-from .costgraph import CostGraph
-from .errors import InfeasibleBudgetError
-from .facts import StepFacts
-from .improve import Search, search
-from .options import PlanOptions, SolveOptions
-from .result import Plan, Region
-from .simulate import timeline
-from .solve import BlockSolver, solve_ilp, solve_min_peak
+from remat.planner.solve import hierarchy
+from remat.planner.solve.baselines import known_plans
+from remat.planner.solve.candidates import Candidate, candidates
+from remat.planner.costgraph import CostGraph
+from remat.planner.errors import InfeasibleBudgetError
+from remat.planner.facts import StepFacts
+from remat.planner.solve.improve import Search, search
+from remat.planner.options import PlanOptions, SolveOptions
+from remat.planner.result import Plan, Region
+from remat.planner.solve.simulate import timeline
+from remat.planner.solve.ilp import BlockSolver, solve_ilp, solve_min_peak
 
 SIMULATED = "the simulator, no exact replay"
 log = logging.getLogger("remat.planner")
@@ -189,7 +189,7 @@ def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: 
                                 recompute_flops=0, recompute_s=0.0, **base))
     t0 = time.perf_counter()
     ctx = search(cg, options.solve.sac)
-    # Large graphs of repeated blocks: the hierarchical solve (planner/hierarchy.py) stands in for
+    # Large graphs of repeated blocks: the hierarchical solve (planner/solve/hierarchy.py) stands in for
     # the flat candidates and ILP, here and in _choose; None (any other graph): the flat path.
     hier = hierarchy.for_graph(cg, options.solve, ctx)
     cands = candidates(cg, options.solve, ctx.space) if hier is None else []
@@ -346,7 +346,7 @@ def _replayed_floor(pb: _Problem) -> float:
 # NOTE [ unplanned guess ]
 # The exact replay of the step without checkpointing (a fake-tensor step: 5 s of a Llama-2-7B
 # report's 35) repeats what the profile metered already: the same graph on the same fake tensors
-# under the same meter (planner/profile.py, `measured_peak_bytes`). The replay's measure offers
+# under the same meter (planner/profile/graph.py, `measured_peak_bytes`). The replay's measure offers
 # that figure as `unplanned_guess` (equal to the replay to the byte on 9 of the zoo's 10 models,
 # 4 bytes above it on hf-moe). It is a guide, never a prediction: the step is replayed wherever
 # the answer could turn on it, and a wrong guess only costs a replay or is cautious: the step

@@ -3,7 +3,7 @@
 `improve(cg, regions, budget_bytes)` starts from a plan (the ILP's) and applies improving moves:
 drop a region; move one end of a region to another start or end (between its neighbours, plain or
 SAC); merge two neighbouring regions; split a region in two; add a region in a gap. Ends are
-non-trivial nodes (planner/candidates.py), so a move may reach regions the ILP was not offered
+non-trivial nodes (planner/solve/candidates.py), so a move may reach regions the ILP was not offered
 (on large graphs it sees a subset).
 - With a budget: the cheaper plans first, the first that fits is taken; when none does, a cheaper
   plan over budget followed by one more move (an added region, a moved end...) that brings it
@@ -22,10 +22,10 @@ from itertools import accumulate
 from operator import add
 from typing import NamedTuple
 
-from .candidates import SearchSpace
-from .costgraph import CostGraph
-from .result import Region
-from .simulate import base_liveness, last_reader, timeline
+from remat.planner.solve.candidates import SearchSpace
+from remat.planner.costgraph import CostGraph
+from remat.planner.result import Region
+from remat.planner.solve.simulate import base_liveness, last_reader, timeline
 
 _EPS_S = 1e-12       # seconds: a cost change smaller than this is no change
 WORK = 2_000_000     # plans times nodes a local search after a solve scores, at most ...

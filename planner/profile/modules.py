@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import pulp
 import torch
 
-from .cbc import cbc, cbc_command, variable
-from .errors import SolverError
-from .state import step_preserved
-from .step import run_step, tensors, training_loss
-from .storage import LiveBytes, unlinked
+from remat.planner.solve.cbc import cbc, cbc_command, variable
+from remat.planner.errors import SolverError
+from remat.planner.step.state import step_preserved
+from remat.planner.step.fake import run_step, tensors, training_loss
+from remat.planner.step.storage import LiveBytes, unlinked
 
 log = logging.getLogger("remat.planner")
 

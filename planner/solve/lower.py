@@ -1,10 +1,10 @@
 """The cheapest plan of a segment keeping at most a level of K and peaking at most a cap, and the plan
 of least peak, by dynamic programming over its node boundaries (pure: no torch, no solver;
-planner/hierarchy.py's lower-peak and least-peak searches take them instead of the segment ILP
+planner/solve/hierarchy.py's lower-peak and least-peak searches take them instead of the segment ILP
 with a bound on its peak).
 
 NOTE [ lower DP ]
-The DP of NOTE [ front DP ] (planner/front.py) with the simulator's peak (planner/simulate.py,
+The DP of NOTE [ front DP ] (planner/solve/front.py) with the simulator's peak (planner/solve/simulate.py,
 NOTE [ liveness ]) checked at every node as the path passes it. A storage is *kept* by its
 reasons (a holder skipped, a chosen region that reads it or caches it, a holder no region covers)
 and released after the backward of the first of them. Along a path, every node's live bytes are
@@ -33,12 +33,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from operator import itemgetter
 
-from .candidates import Candidate
-from .costgraph import CostGraph
-from .front import FRONT_WORK, Point, _unlink, boundaries
-from .front import _pareto as front_pareto
-from .simulate import base_liveness, last_reader, region_recompute
-from .solve import MB, keep_reasons
+from remat.planner.solve.candidates import Candidate
+from remat.planner.costgraph import CostGraph
+from remat.planner.solve.front import FRONT_WORK, Point, _unlink, boundaries
+from remat.planner.solve.front import _pareto as front_pareto
+from remat.planner.solve.simulate import base_liveness, last_reader, region_recompute
+from remat.planner.solve.ilp import MB, keep_reasons
 
 
 _k, _a = itemgetter(0), itemgetter(3)

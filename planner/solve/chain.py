@@ -1,5 +1,5 @@
 """The chain: one option per segment, picked by a DP over the bytes kept so far (pure: no torch;
-planner/hierarchy.py's step 4).
+planner/solve/hierarchy.py's step 4).
 
 NOTE [ chain ]): with regions inside segments, the step's live bytes at node t of
    segment i are base(t) + sum_{j<i} K_j + d_i(t), where d_i is what segment i's own plan adds at t.
@@ -13,10 +13,10 @@ NOTE [ chain ]): with regions inside segments, the step's live bytes at node t o
    budget corrected by the miss. On graphs small enough (POLISH_CANDIDATES), the flat ILP then
    polishes it over a compact candidate set (every option's regions on every block of its family,
    regions across block boundaries, the flat path's own candidates), warm-started from it; last,
-   the same local search (planner/improve.py) as after the flat ILP.
+   the same local search (planner/solve/improve.py) as after the flat ILP.
 
 `for_graph` returns a solver only for graphs too large for the exact flat ILP that have repeated
-blocks; `planner.fit.solve_plan` takes the flat path otherwise.
+blocks; `planner.solve.fit.solve_plan` takes the flat path otherwise.
 
 NOTE [ chain ]
 Nodes fall into segments S_0 < S_1 < ... (node ranges). A plan whose regions each lie inside one
@@ -44,7 +44,7 @@ import heapq
 import math
 from bisect import bisect_right
 
-from .segment import Option
+from remat.planner.solve.segment import Option
 
 DP_STATES = 3000     # states the chain DP keeps per segment (beyond that, the cheapest per bucket of bytes)
 

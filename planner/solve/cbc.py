@@ -36,8 +36,8 @@ PuLP 3.3 warns (DeprecationWarning, its 4.0 migration notices) on spellings rema
 made. A user's pytest shows every one, once per variable of every ILP remat builds. Where PuLP
 has a spelling that does not warn, it is here for every module that builds a problem:
 `variable` (`prob.add_variable` where this PuLP has it) and `constraints_of`
-(`prob.constraints()` where it is a call); `problem_key` and planner/modules.py use them
-(planner/solve.py and planner/segment.py still build `LpVariable`s themselves:
+(`prob.constraints()` where it is a call); `problem_key` and planner/profile/modules.py use them
+(planner/solve/ilp.py and planner/solve/segment.py still build `LpVariable`s themselves:
 tests/test_quiet.py's xfail says so). PuLP's bundled CBC has no such spelling (its replacement,
 COIN_CMD, needs a CBC installed apart), so `cbc_command` makes it with PuLP's
 DeprecationWarnings ignored for that one call (`quiet`): `warnings.catch_warnings` swaps the
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import pulp
 
-from . import cachedir
+from remat.planner import cachedir
 
 log = logging.getLogger("remat.cache")
 

@@ -14,9 +14,9 @@ from typing import Iterable
 
 import torch
 
-from .compat import FakeTensor, FunctionalTensor, tree_leaves
-from .fidelity import TENSOR_ONLY_HOOKS
-from .rng import rng_preserved
+from remat.planner.compat import FakeTensor, FunctionalTensor, tree_leaves
+from remat.planner.capture.fidelity import TENSOR_ONLY_HOOKS
+from remat.planner.step.rng import rng_preserved
 
 
 def mode_key(model: torch.nn.Module) -> tuple[str, ...]:
@@ -189,7 +189,7 @@ def copy_of(new, old) -> bool:
 def assign_attribute(module: torch.nn.Module, name: str, value) -> None:
     """A graph's node for `module.<name> = value` in forward (an auxiliary loss stored on a
     module): fx records the ops and drops the store, so capture puts it back as this call
-    (NOTE [ tensor attributes assigned in forward ], planner/trace.py). Never recomputed."""
+    (NOTE [ tensor attributes assigned in forward ], planner/capture/trace.py). Never recomputed."""
     setattr(module, name, value)
 
 

@@ -9,7 +9,7 @@ user's own `torch.utils.checkpoint`, offloading) and `torch.func` transforms run
 only; a module hook's Python side effects (a list of features a loss reads) happen once.
 
 `watching(tracer)` makes each of these raise `Unfaithful` while it is used on traced values;
-planner.trace then takes the module it happened in as an opaque leaf (run as itself, measured
+planner.capture.trace then takes the module it happened in as an opaque leaf (run as itself, measured
 for real) or the next capture path, and says which and why. A grad-mode change is kept instead:
 each node traced under it runs under it (`in_grad_mode`). Hooks are found before tracing
 (`hooked_modules`): a hooked submodule is a leaf of the graph, so its hooks run when it runs,
@@ -23,7 +23,7 @@ import threading
 
 import torch
 import torch.fx as fx
-from .compat import functorch_active, is_custom_op_class, tree_flatten
+from remat.planner.compat import functorch_active, is_custom_op_class, tree_flatten
 
 _spectral_norm = importlib.import_module("torch.nn.utils.spectral_norm")   # the modules: torch.nn.utils
 _weight_norm = importlib.import_module("torch.nn.utils.weight_norm")       # exports functions by their names

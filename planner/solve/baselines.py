@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from .costgraph import CostGraph, same_unit
-from .result import Region
+from remat.planner.costgraph import CostGraph, same_unit
+from remat.planner.result import Region
 
 
 def _digit_prefixes(module: str) -> list[tuple[str, str]]:

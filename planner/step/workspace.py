@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .compat import clear_cublas_workspaces
+from remat.planner.compat import clear_cublas_workspaces
 
 
 def workspace_bytes(device: torch.device | str, dtypes) -> int:

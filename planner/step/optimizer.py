@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from .compat import FakeTensorMode
+from remat.planner.compat import FakeTensorMode
 
-from .rng import rng_preserved
-from .storage import LiveBytes
+from remat.planner.step.rng import rng_preserved
+from remat.planner.step.storage import LiveBytes
 
 
 @dataclass(frozen=True)

@@ -18,25 +18,25 @@ Which runs are offered:
   block-sized and longer regions, plus the `EXTRA` regions of at most about two blocks that save
   the most bytes per second of recompute on their own (`efficient_spans`): an attention core
   (scores to softmax to dropout) starts and ends where many bytes cross, so cuts alone miss it.
-  The hand-made plans' regions (planner/baselines.py: every block, sqrt, SAC on every block) are
+  The hand-made plans' regions (planner/solve/baselines.py: every block, sqrt, SAC on every block) are
   offered too, so the ILP can always express them: a budget a hand-made plan meets is never
   infeasible to the ILP (hf-t5 at 11.55 MB: its 527 regions held no block of its own, the ILP
   said infeasible, and the plan fell back to every block at 88% extra compute).
 
 `SearchSpace` holds what every region of one graph is judged by (its validity rules, the
 storages each node makes and reads, the cached candidates): `candidates` and the local search
-(planner/improve.py) share one, so a region is valid for one exactly when it is for the other.
+(planner/solve/improve.py) share one, so a region is valid for one exactly when it is for the other.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .baselines import blocks, known_plans, sac_keepable
-from .costgraph import CostGraph, same_unit
-from .nogc import paused
-from .options import SolveOptions
-from .result import Region
-from .simulate import base_liveness, region_recompute, runs_top
+from remat.planner.solve.baselines import blocks, known_plans, sac_keepable
+from remat.planner.costgraph import CostGraph, same_unit
+from remat.planner.solve.nogc import paused
+from remat.planner.options import SolveOptions
+from remat.planner.result import Region
+from remat.planner.solve.simulate import base_liveness, region_recompute, runs_top
 
 FULL_PAIRS = 1500    # every region is offered up to this many (start, end) pairs (docstring)
 EXTRA = 400          # on larger graphs: regions offered for their efficiency, besides those between cuts

@@ -1,4 +1,4 @@
-"""The structure of a graph of repeated blocks (pure: no torch; planner/hierarchy.py's steps 1-2).
+"""The structure of a graph of repeated blocks (pure: no torch; planner/solve/hierarchy.py's steps 1-2).
 
 *Segments*: the graph cut at its blocks (`baselines.blocks`): what comes before the first block,
 each block, what lies between two blocks, what comes after the last (`segments`). *Types*: each
@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import networkx as nx
 
-from .baselines import blocks
-from .costgraph import CostGraph
+from remat.planner.solve.baselines import blocks
+from remat.planner.costgraph import CostGraph
 
 
 def _block_prefix(cg: CostGraph, a: int, b: int) -> str:

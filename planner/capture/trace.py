@@ -9,7 +9,7 @@
    level. Data-dependent control flow makes it fail loudly rather than specialise.
 Whichever graph is taken, `Traced.attempts` says what the others did. When neither captures
 the model, `capture` raises TraceError, and runtime.api plans over the module tree instead
-(planner.modules, runtime/rewrite/module_tree.py); when the forward itself raises, ForwardError.
+(planner.profile.modules, runtime/rewrite/module_tree.py); when the forward itself raises, ForwardError.
 A forward that stores a tensor on a submodule (an auxiliary loss) is captured by fx with the
 store as a graph node; where no graph keeps the store (torch.export, inside an opaque leaf, on the
 root module) capture raises AssignsAttributes, a TraceError (NOTE [ tensor attributes assigned in
@@ -29,12 +29,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from .errors import ForwardError, InputLayoutError, TraceError
-from .compat import fx_pytree, keystr, pytree, tree_flatten_with_path
-from .muted import muted
-from .fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
-from .rng import host_rng_moved, host_rng_state, rng_preserved
-from .state import assign_attribute, attributes_restored, instance_forwards, state_preserved, tensor_assignments
+from remat.planner.errors import ForwardError, InputLayoutError, TraceError
+from remat.planner.compat import fx_pytree, keystr, pytree, tree_flatten_with_path
+from remat.planner.capture.muted import muted
+from remat.planner.capture.fidelity import Modes, Unfaithful, hooked_modules, in_grad_mode, watching
+from remat.planner.step.rng import host_rng_moved, host_rng_state, rng_preserved
+from remat.planner.step.state import assign_attribute, attributes_restored, instance_forwards, state_preserved, tensor_assignments
 
 log = logging.getLogger("remat.planner")
 OUTPUT = "remat_output"   # the module that gives an exported graph's output its structure back
@@ -179,7 +179,7 @@ def _tensor_versions(m: torch.nn.Module) -> list[int]:
 
 def _rng_state() -> tuple:
     """Every global RNG a forward may draw from while being traced: torch's CPU generator, and
-    Python's and numpy's (planner.rng)."""
+    Python's and numpy's (planner.step.rng)."""
     return torch.random.get_rng_state(), host_rng_state()
 
 
@@ -550,7 +550,7 @@ def _trace_leaves(model: torch.nn.Module, concrete: dict, opaque: dict[str, str]
 # attribute, and the runtime plans over the module tree, whose units run the modules as
 # themselves. A rebinding to the same object, or to a copy of its values (`self.freqs_cis =
 # self.freqs_cis.to(h.device)`: state.copy_of), is none: the graph computes the copy each step.
-# The capture check compares the attributes each run assigns too (planner/check.py), for what a
+# The capture check compares the attributes each run assigns too (planner/capture/check.py), for what a
 # trace did not show (torch.export restores attributes before we see them).
 # fx's trace binds the Proxy of the assigned value to the attribute: the store is put back into
 # the graph as a node, `assign_attribute(module, name, value)` before the output (`_store`), and

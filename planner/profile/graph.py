@@ -6,7 +6,7 @@ An fx.Interpreter runs the graph under FakeTensorMode with three instruments:
 - saved-tensor hooks record which storages autograd saves, and for which node;
 - FlopCounterMode (compat.TotalFlops: no module tracker) counts FLOPs per node.
 The loss runs as a final node (reading the model's tensors as the graph's fake copies, wherever it
-reads them from: planner/step.py, NOTE [ one fake per real tensor ]), then backward runs on the
+reads them from: planner/step/fake.py, NOTE [ one fake per real tensor ]), then backward runs on the
 fake tensors with gradient hooks on every node's outputs, so the backward working memory of each
 node is measured, not guessed. Those measurements calibrate the simulator (NOTE [ liveness ] in
 simulate.py): `*_extra_bytes` are what the measured peak holds beyond what the liveness model
@@ -21,21 +21,21 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from .compat import (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+from remat.planner.compat import (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
                      tree_flatten)
-from .compat import TotalFlops
+from remat.planner.compat import TotalFlops
 
-from .costgraph import CostGraph, NodeCost, StorageCost
-from .errors import LossFnError, RematError
-from .kernels import FLOP_FORMULAS
-from .costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measured_costs
-from .opaque import stand_in, step_held
-from .rates import DeviceRates
-from .simulate import timeline
-from .state import assign_attribute
-from .step import FakeState, describe, fake_step, model_loss, run_step, training_loss
-from .storage import LiveBytes, fake_twin, tensors_in, unlinked
-from .trace import placeholder_values
+from remat.planner.costgraph import CostGraph, NodeCost, StorageCost
+from remat.planner.errors import LossFnError, RematError
+from remat.planner.step.kernels import FLOP_FORMULAS
+from remat.planner.profile.costs import MeasuredCosts, OpCall, OverheadProbe, cost_model_for, measured_costs
+from remat.planner.profile.opaque import stand_in, step_held
+from remat.planner.profile.rates import DeviceRates
+from remat.planner.solve.simulate import timeline
+from remat.planner.step.state import assign_attribute
+from remat.planner.step.fake import FakeState, describe, fake_step, model_loss, run_step, training_loss
+from remat.planner.step.storage import LiveBytes, fake_twin, tensors_in, unlinked
+from remat.planner.capture.trace import placeholder_values
 
 LOSS = "loss"
 # What fake tensors raise where code needs a value (`float(t)`, `t.nonzero()`, a branch on `t`)
@@ -171,7 +171,7 @@ class _ProfileMode(LiveBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.node >= 0:
             self.ops[self.node] += 1
-            if self.calls is not None:      # each op as the measured cost model times it (planner/costs.py)
+            if self.calls is not None:      # each op as the measured cost model times it (planner/profile/costs.py)
                 self.calls[self.node].append(OpCall.of(func, args, kwargs))
             if draws_random(func, args, kwargs, self.deterministic_ops):
                 self.random.add(self.node)
@@ -220,7 +220,7 @@ class _Runner(fx.Interpreter):
         self.out_sids: dict[int, set[int]] = {}  # node -> storages its outputs live in
         self.bwd_peaks: dict[int, int] = {}     # node -> peak while its backward ran
         self.bwd_node = self.loss_i
-        self.loss_kind = "stand-in"       # or the model's own loss (planner.step.model_loss)
+        self.loss_kind = "stand-in"       # or the model's own loss (planner.step.fake.model_loss)
         self.loss_differentiates = False  # the loss ran a backward through the graph (CostGraph field)
 
     def on_backward(self, i: int):
@@ -357,7 +357,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
     holds it through backward). Ops outside torch's own namespaces draw random numbers unless
     named in `deterministic_ops` ("namespace::name").
 
-    `cost_model` says how a node's recompute time is estimated (planner/costs.py): "roofline"
+    `cost_model` says how a node's recompute time is estimated (planner/profile/costs.py): "roofline"
     (`rates`), "measured" (its ops timed on the device), "auto" (measured on a CUDA device that
     is present, else the roofline); `meta["cost_model"]` says which one made the costs. Measured,
     a region's overheads are what `overheads` measures (the runtime's regions), else `rates`'.
@@ -443,7 +443,7 @@ def _grad_params(mode: _ProfileMode, fake: FakeState) -> dict[int, torch.Tensor]
 
 class LossValueDependent(ValueDependent):
     """The loss cannot run on fake tensors (no fake kernel: `ctc_loss`; a value-dependent shape):
-    it is measured for real instead (planner.opaque.measured_loss)."""
+    it is measured for real instead (planner.profile.opaque.measured_loss)."""
 
 
 def _loss(runner: _Runner, out, loss_fn):

@@ -1,4 +1,4 @@
-"""One segment of a graph of blocks on its own (pure: no torch; planner/hierarchy.py's step 3):
+"""One segment of a graph of blocks on its own (pure: no torch; planner/solve/hierarchy.py's step 3):
 its CostGraph (`segment_graph`: a source node for what comes before it, a sink for what comes
 after), its options scored in the whole graph's context (`Option`, `Context`), and NOTE [ ILP ]'s
 exact model over it with a bound on K, the bytes it keeps for backward (`SegmentILP`): the
@@ -11,14 +11,14 @@ from typing import NamedTuple
 
 import pulp
 
-from . import solve as ilp
-from .blocks import Segment
-from .cbc import variable
-from .candidates import FULL_PAIRS, SearchSpace, candidates
-from .costgraph import CostGraph, NodeCost, StorageCost
-from .options import SolveOptions
-from .result import Region
-from .simulate import base_liveness, keep_release, region_index, region_recompute, timeline
+from remat.planner.solve import ilp as ilp
+from remat.planner.solve.blocks import Segment
+from remat.planner.solve.cbc import variable
+from remat.planner.solve.candidates import FULL_PAIRS, SearchSpace, candidates
+from remat.planner.costgraph import CostGraph, NodeCost, StorageCost
+from remat.planner.options import SolveOptions
+from remat.planner.result import Region
+from remat.planner.solve.simulate import base_liveness, keep_release, region_index, region_recompute, timeline
 
 SEGMENT_NODES = 500  # branch-and-bound nodes of a segment ILP: a Llama-2-7B block's ILPs hit the 6 s
                      # time limit (a plan that moved with the machine's load) at 20,000; at 500 they
@@ -112,7 +112,7 @@ def _segment_options(opts: SolveOptions) -> SolveOptions:
 class SegmentILP:
     """NOTE [ ILP ]'s model over one segment graph (every region inside offered, up to
     SEGMENT_PAIRS start/end pairs), built once (at its first solve: a family whose exact front
-    answers its splits may never need it) from planner/solve.py's own pieces, with one more
+    answers its splits may never need it) from planner/solve/ilp.py's own pieces, with one more
     constraint: K, the bytes the segment keeps for backward and releases in its own backward (the z
     chain of every storage at its last point inside the segment), at most a level. Solved at one
     level after another; plans are in the segment graph's indices."""

@@ -4,7 +4,7 @@ NOTE [ ILP ]
 The ILP's memory model is the simulator's (NOTE [ liveness ] in simulate.py), to the byte: a plan
 fits the ILP's budget exactly when its simulated peak does (tests/test_solver.py checks both this
 and, by brute force on random graphs, that the ILP over every region finds the optimum).
-[Path] Over the candidate regions X (planner/candidates.py), binary x_X picks regions. They form a path
+[Path] Over the candidate regions X (planner/solve/candidates.py), binary x_X picks regions. They form a path
 over the node boundaries 0..n: a region [a..b] goes a -> b+1, continuous y_i in [0, 1] skips node i
 (y_i = 1: i is in no region), with one unit of flow in at 0 and out at n, so regions are disjoint.
 [Keep] A storage s (b_s bytes, made by p_s; zero-size ones and model outputs, which are kept
@@ -35,7 +35,7 @@ feasible budget, B becomes a variable and is minimised first.
 
 The LP relaxation is weak (a fraction of a region drops a fraction of its storages and adds a
 fraction of its working set), so CBC proves small graphs optimal by branching and on large ones
-mostly finds plans early; each solve ends with local search (planner/improve.py, judged by the
+mostly finds plans early; each solve ends with local search (planner/solve/improve.py, judged by the
 simulator), which also reaches regions a large graph's candidate set leaves out.
 """
 from __future__ import annotations
@@ -46,15 +46,15 @@ from typing import NamedTuple, Protocol
 
 import pulp
 
-from .baselines import known_plans
-from .cbc import cbc, cbc_command, constraints_of, variable
-from .candidates import Candidate, candidates
-from .costgraph import CostGraph
-from .improve import Search, evals, improve, search
-from .nogc import paused
-from .options import SolveOptions
-from .result import Region
-from .simulate import base_liveness, last_reader, timeline
+from remat.planner.solve.baselines import known_plans
+from remat.planner.solve.cbc import cbc, cbc_command, constraints_of, variable
+from remat.planner.solve.candidates import Candidate, candidates
+from remat.planner.costgraph import CostGraph
+from remat.planner.solve.improve import Search, evals, improve, search
+from remat.planner.solve.nogc import paused
+from remat.planner.options import SolveOptions
+from remat.planner.result import Region
+from remat.planner.solve.simulate import base_liveness, last_reader, timeline
 
 US = 1e6     # the objective is in microseconds: CBC's tolerances suit numbers of that size
 MB = 1e-6    # bytes -> MB: keeps CBC's numerics sane
@@ -71,8 +71,8 @@ class Solution:
 
 
 class BlockSolver(Protocol):
-    """A solver for graphs of repeated blocks (planner/hierarchy.py's HierarchicalSolver), which
-    planner.fit takes instead of `solve_ilp` and `solve_min_peak` where it has one."""
+    """A solver for graphs of repeated blocks (planner/solve/hierarchy.py's HierarchicalSolver), which
+    planner.solve.fit takes instead of `solve_ilp` and `solve_min_peak` where it has one."""
 
     def solve(self, cg: CostGraph, budget_bytes: int, opts: SolveOptions | None = None,
               warm_start: tuple[Region, ...] = (), cands=None, ctx=None) -> Solution | None: ...

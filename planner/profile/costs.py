@@ -2,7 +2,7 @@
 tensors, and what a checkpoint region, a tensor saved inside one and a SAC policy per op cost
 there (torch side).
 
-The profile (planner/profile.py) records every op a node dispatches as an `OpCall`: the op and
+The profile (planner/profile/graph.py) records every op a node dispatches as an `OpCall`: the op and
 its arguments with each tensor replaced by a `TensorSpec` (shape, strides, offset, dtype,
 device, requires_grad). `measured_costs` materialises each distinct signature once on the
 device (floating tensors drawn from a normal distribution, integer and bool ones zero, so that
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from . import cachedir
-from .compat import tree_map
+from remat.planner import cachedir
+from remat.planner.compat import tree_map
 
-from .errors import RematError
-from .rates import DeviceRates
+from remat.planner.errors import RematError
+from remat.planner.profile.rates import DeviceRates
 
 COST_MODELS = ("auto", "measured", "roofline")
 REPEATS = 7                # timed calls per op signature, after one warm-up (the fastest is kept)

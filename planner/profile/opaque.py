@@ -18,15 +18,15 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
-from .compat import (TorchDispatchMode, reparametrize_module, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
+from remat.planner.compat import (TorchDispatchMode, reparametrize_module, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
                      tree_map, tree_unflatten)
-from .compat import disable_current_modes as _disable_current_modes
-from .compat import TotalFlops
+from remat.planner.compat import disable_current_modes as _disable_current_modes
+from remat.planner.compat import TotalFlops
 
-from .kernels import FLOP_FORMULAS
-from .rng import host_rng_restored, rng_preserved
-from .state import buffers_restored
-from .storage import LiveBytes, unlinked
+from remat.planner.step.kernels import FLOP_FORMULAS
+from remat.planner.step.rng import host_rng_restored, rng_preserved
+from remat.planner.step.state import buffers_restored
+from remat.planner.step.storage import LiveBytes, unlinked
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import weakref
 from typing import Iterable
 
 import torch
-from .compat import TorchDispatchMode, current_fake_mode, suggest_memory_format
-from .compat import disable_current_modes as _disable_current_modes
+from remat.planner.compat import TorchDispatchMode, current_fake_mode, suggest_memory_format
+from remat.planner.compat import disable_current_modes as _disable_current_modes
 
 
 # ATen kernels that return a reduced loss (mean or sum) as a 0-dim view of their unreduced,

@@ -1,6 +1,6 @@
 """The capture check: the captured graph and the model take one step each, and must agree.
 
-Capture can lose meaning in ways no detector lists (planner/fidelity.py catches the known
+Capture can lose meaning in ways no detector lists (planner/capture/fidelity.py catches the known
 ones). Before a graph is profiled, it and the model's own forward run one training step on a
 cheap slice of the example inputs (the first sample, when every batched input shares its first
 dimension and the graph reads sizes at run time; the first two where it was exported with dynamic
@@ -34,11 +34,11 @@ from __future__ import annotations
 import math
 
 import torch
-from .compat import tree_flatten, tree_map
+from remat.planner.compat import tree_flatten, tree_map
 
-from .rng import rng_preserved
-from .state import buffers_restored, state_preserved, tensor_assignments
-from .trace import Traced
+from remat.planner.step.rng import rng_preserved
+from remat.planner.step.state import buffers_restored, state_preserved, tensor_assignments
+from remat.planner.capture.trace import Traced
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}   # relative; lower precisions: LOW
 LOW = 2e-2

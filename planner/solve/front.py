@@ -1,5 +1,5 @@
 """The exact Pareto front of a segment's kept bytes K against its recompute, by dynamic
-programming over its node boundaries (pure: no torch, no solver; planner/hierarchy.py's families
+programming over its node boundaries (pure: no torch, no solver; planner/solve/hierarchy.py's families
 take their K-bounded cheapest plans from it instead of the segment ILP's).
 
 NOTE [ front DP ]
@@ -26,10 +26,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import NamedTuple
 
-from .candidates import Candidate
-from .costgraph import CostGraph
-from .result import Region
-from .solve import MB, keep_reasons
+from remat.planner.solve.candidates import Candidate
+from remat.planner.costgraph import CostGraph
+from remat.planner.result import Region
+from remat.planner.solve.ilp import MB, keep_reasons
 
 
 FRONT_WORK = 2_000_000   # (K, recompute) entries the DP may carry across its boundaries in all; beyond,
@@ -45,7 +45,7 @@ class Point(NamedTuple):
 
 def _counted(cg: CostGraph, cands: list[Candidate], coverable: list[bool]):
     """Per storage K counts: (bytes, coverable holders, candidates that keep it); as the ILP's
-    [Keep] reasons (planner/solve.py `keep_reasons`) of the storages in its `kept` sum."""
+    [Keep] reasons (planner/solve/ilp.py `keep_reasons`) of the storages in its `kept` sum."""
     sink = len(cg.nodes) - 1
     out = {}
     for sid, r in enumerate(keep_reasons(cg, cands, coverable)):

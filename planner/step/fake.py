@@ -16,13 +16,13 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
-from .compat import (FakeTensorMode, reparametrize_module, compute_required_storage_length, current_fake_mode, disable_current_modes,
+from remat.planner.compat import (FakeTensorMode, reparametrize_module, compute_required_storage_length, current_fake_mode, disable_current_modes,
                      tree_flatten, tree_map)
 
-from .kernels import device_kernels
-from .rng import rng_preserved
-from .state import attributes_restored, named_tensors
-from .storage import fake_copy
+from remat.planner.step.kernels import device_kernels
+from remat.planner.step.rng import rng_preserved
+from remat.planner.step.state import attributes_restored, named_tensors
+from remat.planner.step.storage import fake_copy
 
 
 def tensors(tree) -> list[torch.Tensor]:
@@ -252,7 +252,7 @@ def fake_step(gm: fx.GraphModule, inputs, grads: bool = False, meta: bool = Fals
     the fake inputs. `grads`: every trainable parameter starts with a gradient (a micro-step of
     gradient accumulation after the first), live the whole step. `meta`: the step is all on meta
     (`on_meta`), and runs on meta copies without a FakeTensorMode (NOTE [ meta step ]). Attention
-    on meta tensors runs the kernel a device runs (planner/kernels.py). Every RNG ends as it began.
+    on meta tensors runs the kernel a device runs (planner/step/kernels.py). Every RNG ends as it began.
     The loss and backward run inside `FakeState.reads()` (`run_step`'s `reads`): nothing fake is
     left in the user's tensors (NOTE [ one fake per real tensor ])."""
     real = graph_state(gm)      # tensor constants too: a graph may write one in place
