@@ -402,10 +402,20 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     flat_spec, spec = tree_flatten(out_spec)
     tensor_specs = [x for x in flat_spec if isinstance(x, TensorSpec)]
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    for t in _plain_tensors(module):       # read for real out of the meters' sight: counted here, once
+        torch.ops.aten.alias.default(t)
     measured = _Measured(cost, rerun)
     outs = iter(_Held.apply(measured, *StandIn.apply(measured, tensor_specs, len(inputs), *inputs,
                                                       *module.parameters())))
     return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
+
+
+def _plain_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The plain tensor attributes of `module` and its submodules (not parameters or buffers: a
+    rotary table `self.freqs`), which its real runs read and a step's meter counts as live from its
+    first read (fuzz seed 40044: a rebound `freqs` in an opaque block, 16 B under the measured peak)."""
+    return [v for m in module.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
 
 
 class _Loss(torch.nn.Module):
