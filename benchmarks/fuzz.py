@@ -918,24 +918,17 @@ def _add_extra(case: Case, force, *, fam, d, b, din, blocks, tokens, vocab, n_ou
     if draws["sparse"]:
         return _sparse_case(case, r, gen, din, d, n_out)
     model, added = case.model, []
-    if draws["rebind"]:
+    for name, block, stream in (("rebind", Rebind, 2), ("aux_loss", AuxLoss, 3)):   # in this order: the draws
+        if not draws[name]:
+            continue
         for j in range(r.randint(1, 2)):
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(2 * 10**6 + 97 * seed + j)
-                blk = Rebind(r, fam, d).train(model.training)
+                torch.manual_seed(stream * 10**6 + 97 * seed + j)
+                blk = block(r, fam, d).train(model.training)
             at = r.randint(0, len(model.blocks))
             model.blocks.insert(at, blk)
-            blocks.insert(at, "rebind")
-            added.append(f"rebind@{at}:{blk.variant}")
-    if draws["aux_loss"]:
-        for j in range(r.randint(1, 2)):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(3 * 10**6 + 97 * seed + j)
-                blk = AuxLoss(r, fam, d).train(model.training)
-            at = r.randint(0, len(model.blocks))
-            model.blocks.insert(at, blk)
-            blocks.insert(at, "aux_loss")
-            added.append(f"aux_loss@{at}:{blk.variant}")
+            blocks.insert(at, name)
+            added.append(f"{name}@{at}:{blk.variant}")
     weight = None
     ce = case.loss_fn is not None and case.target is not None and not case.target.is_floating_point()
     if draws["weight_loss"]:
