@@ -393,6 +393,8 @@ def _choose(pb: _Problem, budget_bytes: int) -> Choice:
         return Choice(known[name], name, "cheaper than the best plan the ILP found within its limits", float("nan"))
     if ilp_ok:
         return Choice(sol.regions, "ilp", sol.status, sol.gap)
+    if pb.measure is not None and "min-peak" not in known:   # `_fit` replays the known plans for the floor
+        raise InfeasibleBudgetError(budget_bytes, min([pb.predict(())] + list(peaks.values())), SIMULATED)
     floor = known.get("min-peak") or (pb.hier.min_peak() if pb.hier
                                       else solve_min_peak(cg, pb.options.solve, pb.cands, pb.ctx)).regions
     raise InfeasibleBudgetError(budget_bytes, min([pb.predict(floor)] + list(peaks.values())), SIMULATED)
