@@ -78,6 +78,12 @@ KNOWN_FAILURES = {
            "other branch, freed at its first use in the stand-in's measurement",
 }
 
+# seed: the failure the fuzzer reported with the constructs it drew (capture blocks, EXTRA, modes)
+DRAWN_FAILURES = {
+    40132: "memory/over-budget 4%: an opaque block inside a region unpacks its input once a grad of its own exists "
+           "(`-h`); its stand-in unpacked (and the region recomputed) before any",
+}
+
 
 # (seed, autocast, below the floor first): the failure the fuzzer reported in those modes
 MODE_FAILURES = {
@@ -122,6 +128,11 @@ def test_the_sample_draws_the_extra_constructs():
 @pytest.mark.parametrize("seed", sorted(KNOWN_FAILURES))
 def test_fuzz_known_failure(seed):
     _check(seed, None, False, capture=False, extra=False)
+
+
+@pytest.mark.parametrize("seed", sorted(DRAWN_FAILURES))
+def test_fuzz_known_failure_as_drawn(seed):
+    _check(seed)
 
 
 @pytest.mark.parametrize("seed,autocast,below_floor", sorted(MODE_FAILURES))

@@ -42,6 +42,8 @@ class OpaqueCost:
     saved_output_positions: tuple[int, ...] = ()   # which tensor outputs autograd still holds inside it
     cast_bytes: int = 0                      # autocast's cached weight casts it made: held to the step's end
     input_grad_strides: tuple = ()           # the layout of each tensor input's grad it made (None: none)
+    unpack_extra_bytes: int = 0              # live in its backward when it first unpacks a saved tensor,
+                                             # above what it starts with (`_Unpacks`)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
         in_strides = _grad_layouts(inputs)
         packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
+        unpacks = _Unpacks()
 
         def pack(t):
             p = unlinked(t)
@@ -166,7 +169,8 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             drawn: list[bool] = []
             versions = attribute_versions(module)
             torch_rng = torch.random.get_rng_state()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_rng_restored(drawn):
+            unpacks.live = live
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpacks), host_rng_restored(drawn):
                 out = module(*r_args, **r_kwargs)
             torch_rng = (torch_rng, torch.random.get_rng_state())   # compared after the meter: it would count them
             writes_state = versions != attribute_versions(module)
@@ -178,14 +182,14 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             held = max(0, live.live_bytes - start - out_bytes)
             saved_inputs, saved_outputs = _still_saved(packed, inputs, outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
-            bwd_extra = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides)
+            bwd_extra, bwd_start = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides)
             # the casts of its weights that autocast caches (and a recompute reuses) live until autocast
             # exits, after the step's backward: the stand-in makes them first and holds them to the
             # step's end (`step_held`), apart from what it holds until its backward
             cast_bytes = casts.alive_bytes()
             held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
         cost = OpaqueCost(fc.get_total_flops(), saved_inputs, held, fwd_extra, bwd_extra, drawn[0], writes_state,
-                          saved_outputs, cast_bytes, tuple(in_strides))
+                          saved_outputs, cast_bytes, tuple(in_strides), unpacks.extra(bwd_start))
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
                           else t, out)
         drew_torch = not torch.equal(*torch_rng)
@@ -227,9 +231,9 @@ def _still_saved(packed: list, inputs: list[torch.Tensor], outs: list[torch.Tens
     return ins, outs_saved
 
 
-def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides) -> int:
-    """The backward's peak above what it starts with: saved tensors and the outputs' grads, which
-    autograd makes (_Seeds) and frees once used, as the step's backward hands them over."""
+def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides) -> tuple[int, int]:
+    """The backward's peak above what it starts with (saved tensors and the outputs' grads, which
+    autograd makes (_Seeds) and frees once used, as the step's backward hands them over), and that start."""
     strides = list(grad_strides) if grad_strides is not None else [make_contiguous_strides_for(t.shape) for t in grads]
     seed, held = torch.zeros(()), []
     root = _Seeds.apply(strides, held, *grads) if grads else None
@@ -239,7 +243,27 @@ def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides) ->
     if grads:
         torch.autograd.backward(root, seed)
     del root, held
-    return max(0, live.peak_bytes - before)
+    return max(0, live.peak_bytes - before), before
+
+
+class _Unpacks:
+    """An unpack hook that records the live bytes when a module's backward first unpacks a tensor
+    it saved: a checkpoint region around the module recomputes right then, on top of what the
+    module's backward holds at that moment (the grads it made so far: fuzz seed 40132, a Linear
+    after a `-h` unpacks its input once the negated grad exists, one activation more than at the
+    start of the module's backward). `extra(start)`: that above `start`, 0 when nothing was unpacked."""
+
+    def __init__(self):
+        self.live: LiveBytes | None = None
+        self.first: int | None = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.live is not None and self.first is None:
+            self.first = self.live.live_bytes
+        return t
+
+    def extra(self, start: int) -> int:
+        return 0 if self.first is None else max(0, self.first - start)
 
 
 class _Casts(TorchDispatchMode):
@@ -366,14 +390,18 @@ class _Held(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # held through the peak: when a checkpoint region recomputed them, the unpacked tensors are
-        # the only reference left (checkpoint's storage drops each as it is unpacked)
-        saved = ctx.saved_tensors
         cost = ctx.measured.cost
         if any(g is not None and not g.is_contiguous() for g in grads):    # measured with contiguous ones
             cost = ctx.measured.for_grads(tuple(
                 tuple(g.stride()) if g is not None else make_contiguous_strides_for(shape)
                 for g, (shape, needs) in zip(grads, ctx.outs) if needs))
+        # this is the module's first unpack: a checkpoint region around it recomputes now, on top of
+        # the grads the module's backward made before its first unpack (`_Unpacks`); the saved
+        # tensors are held through the peak: when a region recomputed them, the unpacked tensors are
+        # the only reference left (checkpoint's storage drops each as it is unpacked)
+        made = torch.empty(cost.unpack_extra_bytes, dtype=torch.uint8)
+        saved = ctx.saved_tensors
+        del made
         tmp = torch.empty(cost.bwd_extra_bytes, dtype=torch.uint8)
         del tmp, saved
         return (None,) + tuple(g.new_zeros(()).expand_as(g) if g is not None else None for g in grads)
