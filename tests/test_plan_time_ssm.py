@@ -4,7 +4,9 @@ The plan trains bitwise like the unwrapped model, fits, and predicts its measure
 benchmarks/plan_time_ssm.py's (benchmarks/results/plan-time-ssm.md), never a test's verdict; the
 proxy of the work asserted here: the exact front DP (planner/solve/front.py) of a Mamba2 block stays
 within FRONT_WORK (before its dominance across states it carried 2.1 M entries, gave up, and 9
-segment ILPs of ~12 s each searched the front instead)."""
+segment ILPs of ~12 s each searched the front instead), and so does the lower DP
+(planner/solve/lower.py) at the top of that front (before its dominance across states it gave up
+there: the segment ILP with a bound on its peak, CBC, answered instead)."""
 import copy
 import importlib.util
 
@@ -16,6 +18,8 @@ from remat.planner.api import analyze_for
 from remat.planner.solve.front import front
 from remat.planner.solve.hierarchy import for_graph
 from remat.planner.solve.improve import search
+from remat.planner.solve.lower import cheapest_under
+from remat.planner.solve.simulate import timeline
 from remat.runtime import plan_and_wrap
 from remat.runtime.examples import Example
 from remat.runtime.measure import peak_memory, preserved
@@ -73,3 +77,8 @@ def test_a_mamba2_blocks_front_is_made_by_the_dp():
     assert len(block.members) == 2 and len(block.ilp.cands) > 1000
     assert block.exact is not None and block.exact == front(block.ilp.sub, block.ilp.cands)
     assert block.ilp.prob is None            # its SegmentILP never built: no CBC run for its front
+    # the cheapest plan keeping no more than the front's top at a lower peak (`_Family.lower`'s question)
+    top, sub = block.exact[-1], block.rep.sub
+    cap, level = timeline(sub, top.plan).peak_bytes - 1, top.kept_mb + block.ilp.tol
+    lower = cheapest_under(sub, block.ilp.cands, level, cap)      # raises TooMuchWork past FRONT_WORK
+    assert lower is not None and lower.kept_mb <= level and timeline(sub, lower.plan).peak_bytes <= cap

@@ -217,9 +217,11 @@ class _LowerDP:
         _, _, most_b, most_f = step
         worst = max(most_b + add_a, most_f - held[0] + sum(info[s][0] for s in new_ns))
         last = bisect_right(entries, self.level - add_k, key=_k)     # within the level: a prefix (K ascending)
+        if not last:
+            return
         covers = 0 if region is None else to - b
         if cap is not None:
-            if entries[-1][3] + worst > cap and entries[0][3] + most_b <= cap:
+            if entries[last - 1][3] + worst > cap and entries[0][3] + most_b <= cap:
                 worst = self.worst_of(b, to, held, new, new_ns, step)
             last = min(last, bisect_right(entries, cap - worst, key=_a))   # within the cap: a prefix (A with K)
             got = [(k + add_k, c + cost, (region, p) if region is not None else p, a + add_a, v + covers)
