@@ -1,0 +1,410 @@
+"""Pipeline-parallel steps on gloo ranks (issue 44): a tiny GPT (or a tiny Hugging Face Llama) split by
+blocks into stages, each rank running its stage under torch.distributed.pipelining's ScheduleGPipe
+or Schedule1F1B, optionally planned by remat per rank, and metered step by step.
+
+    from pipeline_harness import run
+    ranks = run("1f1b", n_stages=2, n_microbatches=4, budget="60%", plan=True)
+
+`run` spawns one process per stage (torch.multiprocessing, gloo over a FileStore in a temporary
+directory) and returns one dict per rank (see `run`). Each step is metered whole with
+`remat.runtime.measure.peak_memory`, counting as live from its start what the rank holds before it
+(`live_before`: parameters, the stage's receive buffers and what else persists between steps).
+
+NOTE [ what a pipeline rank holds between steps ]
+PipelineStage allocates its receive buffers in the first step (`_prepare_forward_infra`: one
+activation buffer per micro-batch per input on every stage but the first;
+`_prepare_backward_infra`: one gradient buffer per micro-batch per output on every stage but the
+last) and keeps them: step 1 allocates them inside the step, later steps find them live. Gradients
+a backward left on the activation buffers (`buffer.grad`, the stage's input gradients it sent back)
+are live until the next step's `clear_runtime_states` drops them at its start. The harness sets
+the parameters' gradients to None before each step (outside the meter), so a step begins without
+them; with `optimizer=True` AdamW's step runs inside the metered step and its state (made in step
+1) is live before later steps. The last stage's outputs are not kept (`return_outputs=False`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, D, HEADS, SEQ, MB = 128, 64, 4, 32, 2      # MB: rows per micro-batch
+SEED = 0
+
+
+# ---------------------------------------------------------------- the plain GPT
+
+class Block(nn.Module):
+    """Pre-norm causal attention (scaled_dot_product_attention) and a 4x GELU MLP."""
+
+    def __init__(self, d: int = D, heads: int = HEADS):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Checkpointed(nn.Module):
+    """`inner` under torch.utils.checkpoint (non-reentrant): the per-block reference."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+class GPTStage(nn.Module):
+    """Blocks [lo, hi) of the GPT; the first stage also embeds (tokens and positions), the last
+    also normalizes and projects to the vocabulary."""
+
+    def __init__(self, blocks, emb=None, pos=None, ln=None, head=None):
+        super().__init__()
+        self.emb, self.pos = emb, pos
+        self.blocks = nn.ModuleList(blocks)
+        self.ln, self.head = ln, head
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.ln(x))
+        return x
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Layer indices per stage, as even as can be (earlier stages take the extra ones)."""
+    q, r = divmod(n_layers, n_stages)
+    out, lo = [], 0
+    for s in range(n_stages):
+        hi = lo + q + (s < r)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+def gpt_stages(n_stages: int, layers_per_stage: int = 2, seed: int = SEED) -> list[nn.Module]:
+    """The GPT (n_stages * layers_per_stage blocks), made whole from `seed` and split into stages."""
+    torch.manual_seed(seed)
+    emb, pos = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
+    blocks = [Block() for _ in range(n_stages * layers_per_stage)]
+    ln, head = nn.LayerNorm(D), nn.Linear(D, VOCAB)
+    out = []
+    for s, idx in enumerate(split_layers(len(blocks), n_stages)):
+        first, last = s == 0, s == n_stages - 1
+        out.append(GPTStage([blocks[i] for i in idx], emb if first else None, pos if first else None,
+                            ln if last else None, head if last else None))
+    return out
+
+
+# ---------------------------------------------------------------- a tiny Hugging Face Llama
+
+def llama_model(n_layers: int, seed: int = SEED):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=4 * D, num_hidden_layers=n_layers,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).train()
+
+
+class LlamaStage(nn.Module):
+    """Decoder layers [lo, hi) of a LlamaForCausalLM; the first stage also embeds, the last also
+    normalizes and applies lm_head. The rotary embedding (no parameters) is computed on each stage
+    from the positions; the causal mask is SDPA's own (no padding: `attention_mask=None`)."""
+
+    def __init__(self, model, idx: range, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in idx)
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x):
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        pe = self.rotary_emb(x, pos)
+        for layer in self.layers:
+            out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            x = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def llama_stages(n_stages: int, layers_per_stage: int = 2, seed: int = SEED) -> list[nn.Module]:
+    model = llama_model(n_stages * layers_per_stage, seed)
+    return [LlamaStage(model, idx, s == 0, s == n_stages - 1)
+            for s, idx in enumerate(split_layers(n_stages * layers_per_stage, n_stages))]
+
+
+def stages(model: str, n_stages: int, layers_per_stage: int = 2, seed: int = SEED,
+           checkpoint_blocks: bool = False) -> list[nn.Module]:
+    """The stage modules of `model` ("gpt" or "llama"); with `checkpoint_blocks`, each block or
+    decoder layer under torch.utils.checkpoint."""
+    out = (gpt_stages if model == "gpt" else llama_stages)(n_stages, layers_per_stage, seed)
+    if checkpoint_blocks:
+        for st in out:
+            layers = st.blocks if model == "gpt" else st.layers
+            for i in range(len(layers)):
+                layers[i] = Checkpointed(layers[i])
+    return out
+
+
+def batch(n_microbatches: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (tokens, next-token targets): n_microbatches * MB rows of SEQ tokens."""
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, VOCAB, (n_microbatches * MB, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------- what a rank holds
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in seen and st.nbytes():
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def _walk(x, out: list, depth: int = 0, seen=None) -> list:
+    """Every tensor `x` holds (containers, _RecvInfo-like objects), to a small depth."""
+    seen = set() if seen is None else seen
+    if depth > 6 or id(x) in seen:
+        return out
+    seen.add(id(x))
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+        if x.grad is not None:
+            out.append(x.grad)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk(v, out, depth + 1, seen)
+    elif isinstance(x, (list, tuple, set)):
+        for v in x:
+            _walk(v, out, depth + 1, seen)
+    elif hasattr(x, "__dict__") and not isinstance(x, (nn.Module, type)) and type(x).__module__.startswith("torch.distributed.pipelining"):
+        for v in vars(x).values():
+            _walk(v, out, depth + 1, seen)
+    return out
+
+
+def held(stage, schedule, module: nn.Module, opt, inputs) -> tuple[dict[str, int], list[torch.Tensor]]:
+    """What the rank holds now, by kind (bytes), and the tensors themselves (each storage once)."""
+    params = list(module.parameters()) + list(module.buffers())
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    act = [a.buffer for r in stage.args_recv_info.values() for a in r if getattr(a, "buffer", None) is not None]
+    act_grads = [b.grad for b in act if b.grad is not None]
+    grad_bufs = [a.buffer for r in stage.grad_recv_info.values() for a in r if getattr(a, "buffer", None) is not None]
+    opt_state = _walk(opt.state, []) if opt is not None else []
+    kinds = {"params": params, "param_grads": grads, "recv_act_buffers": act, "recv_act_buffer_grads": act_grads,
+             "recv_grad_buffers": grad_bufs, "optimizer_state": opt_state, "inputs": list(inputs)}
+    known = {id(t.untyped_storage()) for ts in kinds.values() for t in ts}
+    skip = {"submod", "args_recv_info", "grad_recv_info", "group"}
+    rest = [t for k, v in vars(stage).items() if k not in skip for t in _walk(v, [])]
+    rest += [t for k, v in vars(schedule).items() if k != "_stage" for t in _walk(v, [])]
+    kinds["other"] = [t for t in rest if id(t.untyped_storage()) not in known]
+    out, seen = {}, set()
+    tensors = []
+    for k, ts in kinds.items():
+        fresh = []
+        for t in ts:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                fresh.append(t)
+        out[k] = _nbytes(fresh)
+        tensors += fresh
+    out["total"] = sum(out.values())
+    return out, tensors
+
+
+# ---------------------------------------------------------------- one rank
+
+SCHEDULES = ("gpipe", "1f1b")
+START_METHOD = os.environ.get("REMAT_PIPELINE_START", "fork")   # fork: no re-import per rank (seconds a run)
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+def plan_takes_schedule() -> bool:
+    """Whether plan_and_wrap has `schedule=` (issue 44) yet."""
+    import inspect
+    from remat.runtime import plan_and_wrap
+    return "schedule" in inspect.signature(plan_and_wrap).parameters
+
+
+def _rank(rank: int, cfg: dict, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, cfg["n_stages"])
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg["n_stages"])
+    try:
+        result = _rank_steps(rank, cfg)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        raise
+    else:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_steps(rank: int, cfg: dict) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+    from remat.runtime.measure.peak import peak_memory
+
+    n, nmb = cfg["n_stages"], cfg["n_microbatches"]
+    first, last = rank == 0, rank == n - 1
+    module = stages(cfg["model"], n, cfg["layers_per_stage"], cfg["seed"], cfg["checkpoint_blocks"])[rank]
+    tokens, targets = batch(nmb, cfg["seed"])
+    example_in = tokens[:MB] if first else torch.zeros(MB, SEQ, D)
+    # static metadata (no inference step): inputs and outputs that need grad, on the meta device
+    in_meta = example_in.to("meta") if first else torch.empty(MB, SEQ, D, device="meta", requires_grad=True)
+    out_meta = torch.empty(MB, SEQ, VOCAB if last else D, device="meta", requires_grad=True)
+    stage = PipelineStage(module, rank, n, torch.device("cpu"), input_args=(in_meta,), output_args=(out_meta,))
+    schedule = _schedule_class(cfg["schedule"])(stage, nmb, loss_fn=loss_fn)
+
+    res = {"rank": rank, "schedule": cfg["schedule"], "predicted_peak_bytes": None, "regions": None,
+           "budget_bytes": None, "plan_seconds": None}
+    if cfg["plan"]:
+        from remat.runtime import plan_and_wrap
+        budget = cfg["budget"]
+        budget = budget / 1e9 if isinstance(budget, (int, float)) else budget
+        t0 = time.perf_counter()
+        plan_and_wrap(module, budget, example_inputs=(example_in.clone(),), schedule=schedule)
+        res["plan_seconds"] = time.perf_counter() - t0
+        plan = module.remat.plan
+        res["predicted_peak_bytes"] = plan.predicted_peak_bytes
+        res["budget_bytes"] = plan.budget_bytes
+        res["regions"] = [(r.start, r.end) for r in plan.regions]
+
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
+    inputs = [tokens] if first else []
+    inputs += [targets] if last else []
+    res.update(peaks=[], live_before=[], seconds=[], losses=[])
+    for _ in range(cfg["steps"]):
+        module.zero_grad(set_to_none=True)
+        live, live_tensors = held(stage, schedule, module, opt, inputs)
+        losses: list = []
+
+        def step():
+            if first:
+                schedule.step(tokens, return_outputs=False)
+            elif last:
+                schedule.step(target=targets, losses=losses, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
+            if opt is not None:
+                opt.step()
+
+        t0 = time.perf_counter()
+        peak = peak_memory(step, module, *live_tensors)
+        res["seconds"].append(time.perf_counter() - t0)
+        res["peaks"].append(peak)
+        res["live_before"].append(live)
+        res["losses"].append(torch.stack([l.detach() for l in losses]).mean().item() if losses else None)
+    res["live_after"] = held(stage, schedule, module, opt, inputs)[0]
+    # named as in the plain split (a Checkpointed block's `.inner` dropped)
+    res["grads"] = {k.replace(".inner.", "."): p.grad.detach().clone()
+                    for k, p in module.named_parameters() if p.grad is not None}
+    res["loss"] = res["losses"][-1]
+    res["param_bytes"] = _nbytes(list(module.parameters()))
+    return res
+
+
+def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,
+        steps: int = 2, model: str = "gpt", optimizer: bool = False, checkpoint_blocks: bool = False,
+        layers_per_stage: int = 2, seed: int = SEED) -> list[dict]:
+    """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a stage)
+    on `n_stages` gloo ranks under `schedule` ("gpipe" or "1f1b") with `n_microbatches`
+    micro-batches of MB rows (the same global batch each step). With `plan`, each rank plans its
+    stage module with `plan_and_wrap(module, budget, example_inputs=(one micro-batch,),
+    schedule=schedule)` (`budget`: bytes, or a string such as "60%"); `checkpoint_blocks` puts
+    each block under torch.utils.checkpoint instead (the per-block reference).
+
+    Returns per rank: `peaks` (bytes, per step: step 1 allocates the receive buffers, later ones
+    are the steady state), `live_before` (per step, bytes by kind held at its start, all counted
+    in its peak: NOTE [ what a pipeline rank holds between steps ]), `live_after`, `losses` (per
+    step, the mean of the micro-batches' losses on the last rank, else None) and `loss` (the last
+    step's), `grads` (name -> the parameter gradients after the last step), `seconds` (per
+    metered step), `param_bytes`, and when planned `predicted_peak_bytes`, `budget_bytes`,
+    `regions` ((start, end) per region) and `plan_seconds`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
+    cfg = dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan,
+               steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
+               layers_per_stage=layers_per_stage, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="remat-pipeline-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        try:
+            mp.start_processes(_rank, args=(cfg, store_path, tmp), nprocs=n_stages, join=True, start_method=START_METHOD)
+        except Exception as e:
+            errors = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False).get("error")
+                      for r in range(n_stages) if os.path.exists(os.path.join(tmp, f"rank{r}.pt"))]
+            raise RuntimeError("pipeline ranks failed:\n" + "\n".join(e for e in errors if e)) from e
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(n_stages)]
+
+
+def _table(ranks: list[dict], label: str) -> str:
+    lines = []
+    for r in ranks:
+        live = ", ".join(f"{k} {v}" for k, v in r["live_before"][-1].items() if v)
+        pred = f" predicted {r['predicted_peak_bytes']} regions {len(r['regions'])}" if r["regions"] is not None else ""
+        lines.append(f"{label} rank {r['rank']}: peaks {r['peaks']}{pred} loss {r['loss']} "
+                     f"s/step {[round(s, 3) for s in r['seconds']]}\n    live before step 1: {r['live_before'][0]}"
+                     f"\n    live before step {len(r['peaks'])}: {live}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--schedule", nargs="+", default=list(SCHEDULES))
+    ap.add_argument("--model", default="gpt")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--optimizer", action="store_true")
+    ap.add_argument("--budget", default=None)
+    a = ap.parse_args()
+    for s in a.schedule:
+        kw = dict(n_stages=a.stages, n_microbatches=a.microbatches, steps=a.steps, model=a.model, optimizer=a.optimizer)
+        print(_table(run(s, **kw), f"{s} unplanned"))
+        print(_table(run(s, checkpoint_blocks=True, **kw), f"{s} per-block"))
+        if a.budget is not None and plan_takes_schedule():
+            b = int(a.budget) if a.budget.isdigit() else a.budget
+            print(_table(run(s, budget=b, plan=True, **kw), f"{s} planned {a.budget}"))
