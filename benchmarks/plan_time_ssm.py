@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", action="store_true", help="the lower DP without dominance across states, the "
                     "dynamic-size export with the fake-tensor cache")
     ap.add_argument("--budgets", nargs="+", default=["60%", "75%"])
+    ap.add_argument("--exports", nargs="+", default=["dynamic", "example"], choices=["dynamic", "example"],
+                    help="the captures to plan (each row cold in its process only when one is asked, at one budget)")
     ap.add_argument("--out", default="plan-time-ssm", help="results/NAME.md (appended)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
         trace.fake_cache_off = contextlib.nullcontext
     dynamic = trace._dynamic
     rows = []
-    for capture in ("dynamic sizes", "example sizes"):
+    for capture in (f"{e} sizes" for e in args.exports):
         trace._dynamic = dynamic if capture == "dynamic sizes" else (lambda *a: None)
         for b in args.budgets:
             rows.append(row(capture, b))

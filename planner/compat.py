@@ -6,6 +6,9 @@ tests/test_private_api.py holds every other file of planner/ and runtime/ to it.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.utils.flop_counter
 from torch._prims_common import compute_required_storage_length, make_contiguous_strides_for, suggest_memory_format
@@ -29,7 +32,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
 
@@ -44,13 +47,30 @@ def current_fake_mode():
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
+_FAKE_CACHE = {"depth": 0, "saved": True}     # `fake_cache_off`: threads inside it, the setting found
+_FAKE_CACHE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
 def fake_cache_off():
-    """A context manager: FakeTensorModes made inside it cache no op's output (torch._dynamo's
-    `fake_tensor_cache_enabled`). An export with dynamic sizes rebuilt every cached output's
+    """FakeTensorModes made inside it cache no op's output (torch._dynamo's
+    `fake_tensor_cache_enabled`, put back when the last thread inside leaves: two threads exporting
+    at once leave it as found). An export with dynamic sizes rebuilt every cached output's
     symbolic sizes and strides (`set_`): a 2-layer Mamba2's export 6.9 -> 3.5 CPU s without it,
     the same graph (planner/capture/trace.py `_export`)."""
-    import torch._dynamo.config
-    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
+    import torch._dynamo.config as config
+    with _FAKE_CACHE_LOCK:
+        if not _FAKE_CACHE["depth"]:
+            _FAKE_CACHE["saved"] = config.fake_tensor_cache_enabled
+            config.fake_tensor_cache_enabled = False
+        _FAKE_CACHE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _FAKE_CACHE_LOCK:
+            _FAKE_CACHE["depth"] -= 1
+            if not _FAKE_CACHE["depth"]:
+                config.fake_tensor_cache_enabled = _FAKE_CACHE["saved"]
 
 
 def functorch_active() -> bool:
@@ -98,3 +118,21 @@ class TotalFlops(torch.utils.flop_counter.FlopCounterMode):
         super().__init__(**kwargs)
         self.mod_tracker = _NoModules()
 
+
+def schedule_stages(schedule) -> list:
+    """The stages a torch.distributed.pipelining schedule runs on this rank (one, or an
+    interleaved schedule's several)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def schedule_microbatches(schedule) -> int:
+    """The micro-batches one `schedule.step` splits its batch into."""
+    return int(schedule._n_microbatches)
+
+
+def held_elsewhere(t: torch.Tensor) -> bool:
+    """Whether something besides the caller's `t` holds its memory: another reference to the same
+    tensor (autograd handing one grad to two nodes) or another tensor on its storage. The caller's
+    `t` (one reference) and the storage object looked at here are its own."""
+    return t._use_count() > 1 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
