@@ -44,6 +44,18 @@ class OpaqueCost:
     input_grad_strides: tuple = ()           # the layout of each tensor input's grad it made (None: none)
     unpack_extra_bytes: int = 0              # live in its backward when it first unpacks a saved tensor,
                                              # above what it starts with (`_Unpacks`)
+    outliving: "Outliving" = None            # what its backward leaves alive to the step's end (`_outliving`)
+
+
+@dataclass(frozen=True)
+class Outliving:
+    """What outlives a module's backward, held by something outside it until the step ends: the
+    user's reentrant checkpoint under autocast recomputes from a detached copy of its input (a
+    leaf), whose cast autocast caches until it exits; the cast's graph holds the copy, so the
+    input's storage and the grad it gets (the one handed upstream) live as long as the cast."""
+    bytes: int = 0                           # storages its backward made, its input grads aside
+    inputs: tuple[int, ...] = ()             # inputs whose storage it holds
+    grads: tuple[int, ...] = ()              # inputs whose grad (as it hands it on) it holds
 
 
 @dataclass(frozen=True)
@@ -150,7 +162,8 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
     with _disable_current_modes(), rng_preserved():
         r_args, r_kwargs, inputs = _real_call(args, kwargs, example)
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
-        in_strides = _grad_layouts(inputs)
+        in_strides, in_grads = _grad_layouts(inputs)
+        made: list[tuple[weakref.ref, int]] = []       # the storages made while metered, in order
         packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
         unpacks = _Unpacks()
 
@@ -164,7 +177,9 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         # and the meter must see the ops the step runs, not their decompositions' temporaries
         with reparametrize_module(module, state, tie_weights=True), \
                 TotalFlops(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
-                LiveBytes(baseline=inputs + list(state.values())) as live, _Casts(state.values()) as casts:
+                LiveBytes(baseline=inputs + list(state.values()),
+                          on_alloc=lambda st, n: made.append((weakref.ref(st), n))) as live, \
+                _Casts(state.values()) as casts:
             start = live.live_bytes
             drawn: list[bool] = []
             versions = attribute_versions(module)
@@ -182,16 +197,22 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             held = max(0, live.live_bytes - start - out_bytes)
             saved_inputs, saved_outputs = _still_saved(packed, inputs, outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
+            in_backward = len(made)
             bwd_extra, bwd_start = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides)
             # the casts of its weights that autocast caches (and a recompute reuses) live until autocast
             # exits, after the step's backward: the stand-in makes them first and holds them to the
             # step's end (`step_held`), apart from what it holds until its backward
             cast_bytes = casts.alive_bytes()
             held, fwd_extra = max(0, held - cast_bytes), max(0, fwd_extra - cast_bytes)
-        cost = OpaqueCost(fc.get_total_flops(), saved_inputs, held, fwd_extra, bwd_extra, drawn[0], writes_state,
-                          saved_outputs, cast_bytes, tuple(in_strides), unpacks.extra(bwd_start))
         shapes = tree_map(lambda t: TensorSpec(t.shape, t.dtype, t.stride(), t.device) if isinstance(t, torch.Tensor)
                           else t, out)
+        in_storages = [weakref.ref(x.untyped_storage()) for x in inputs]
+        for t in state.values():
+            t.grad = None
+        del out, outs, r_args, r_kwargs, inputs, state       # what the measurement holds: now only weakly
+        outliving = _outliving(made[in_backward:], in_storages, in_grads, casts)
+        cost = OpaqueCost(fc.get_total_flops(), saved_inputs, held, fwd_extra, bwd_extra, drawn[0], writes_state,
+                          saved_outputs, cast_bytes, tuple(in_strides), unpacks.extra(bwd_start), outliving)
         drew_torch = not torch.equal(*torch_rng)
     return cost, shapes, drew_torch
 
@@ -213,14 +234,31 @@ def _real_call(args, kwargs, example) -> tuple[tuple, dict, list[torch.Tensor]]:
     return r_args, r_kwargs, [x for x, t in zip(real, is_tensor) if t]
 
 
-def _grad_layouts(inputs: list[torch.Tensor]) -> list:
+def _grad_layouts(inputs: list[torch.Tensor]) -> tuple[list, list]:
     """Filled in backward: the layout (strides) of the grad the module makes for each input (None:
-    none), which the step hands on upstream."""
+    none), which the step hands on upstream; and its storage (a weak reference)."""
     strides: list = [None] * len(inputs)
+    storages: list = [None] * len(inputs)
+
+    def seen(g, k):
+        strides[k], storages[k] = tuple(g.stride()), weakref.ref(g.untyped_storage())
     for k, x in enumerate(inputs):
         if x.requires_grad:
-            x.register_hook(lambda g, k=k: strides.__setitem__(k, tuple(g.stride())))
-    return strides
+            x.register_hook(lambda g, k=k: seen(g, k))
+    return strides, storages
+
+
+def _outliving(made: list, inputs: list, grads: list, casts: "_Casts") -> Outliving:
+    """What is still alive of the storages a backward made (`made`) and of its inputs' (weak
+    references), once the measurement dropped its own references: held by something else to the
+    step's end (autocast's cache: `Outliving`). The casts of its weights are `cast_bytes`."""
+    cast_ids = {id(st) for st in (ref() for ref in casts.made) if st is not None}
+    grad_ids = {id(st): k for k, st in enumerate(ref() if ref is not None else None for ref in grads)
+                if st is not None}
+    alive = {id(st): n for st, n in ((ref(), n) for ref, n in made) if st is not None and id(st) not in cast_ids}
+    held_grads = tuple(sorted(grad_ids[i] for i in alive if i in grad_ids))
+    return Outliving(sum(n for i, n in alive.items() if i not in grad_ids),
+                     tuple(k for k, ref in enumerate(inputs) if ref() is not None), held_grads)
 
 
 def _still_saved(packed: list, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[tuple, tuple]:
@@ -309,6 +347,7 @@ class _Seeds(torch.autograd.Function):
 
 
 _STEP_HELD: dict[int, torch.Tensor] = {}   # what stand-ins hold to the end of the step (autocast's casts), by module
+_HELD_TO_END: list[torch.Tensor] = []      # what their backwards leave alive to the step's end (`Outliving`)
 
 
 @contextlib.contextmanager
@@ -318,6 +357,11 @@ def step_held():
         yield
     finally:
         _STEP_HELD.clear()
+        _HELD_TO_END.clear()
+
+
+def _outliving_of(cost: OpaqueCost) -> Outliving:
+    return cost.outliving if cost.outliving is not None else Outliving()
 
 
 class _Measured:
@@ -354,7 +398,9 @@ class StandIn(torch.autograd.Function):
         # its output, while the temporaries Python still holds are alive (an earlier peak is met too)
         tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
         del tmp
-        ctx.save_for_backward(*[inputs[i] for i in cost.saved_input_positions],
+        # an input its backward leaves alive (`Outliving`) it holds until then (a reentrant checkpoint saves it)
+        ctx.saved_inputs = sorted(set(cost.saved_input_positions) | set(_outliving_of(cost).inputs))
+        ctx.save_for_backward(*[inputs[i] for i in ctx.saved_inputs],
                               *[outs[i] for i in cost.saved_output_positions])
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         ctx.measured, ctx.n_inputs = measured, n_inputs
@@ -370,6 +416,10 @@ class StandIn(torch.autograd.Function):
             made.append(None if not dtype.is_floating_point else
                         _strided(shape, stride, dtype, device) if stride is not None else
                         torch.zeros(shape, dtype=dtype, device=device))
+        outliving = _outliving_of(ctx.measured.cost)
+        _HELD_TO_END.extend([saved[ctx.saved_inputs.index(i)] for i in outliving.inputs if i in ctx.saved_inputs]
+                            + [made[k] for k in outliving.grads if made[k] is not None]
+                            + [torch.empty(outliving.bytes, dtype=torch.uint8)])
         del saved
         return (None, None, None) + tuple(made)
 
