@@ -64,6 +64,10 @@ class CostGraph:
     # physics-informed loss, a gradient penalty): regions recompute once per backward, and a SAC
     # region cannot (torch allows one backward through it), so no region keeps anything
     loss_differentiates: bool = False
+    # other micro-batches whose saved tensors (and outputs) are live throughout the step planned: a
+    # pipeline rank's most micro-batches in flight, less one (runtime/distributed/pipeline.py); the
+    # peak grows by that many times what the plan keeps (simulate.retained_bytes)
+    inflight: int = 0
 
     def __post_init__(self):
         n = len(self.nodes)
@@ -91,13 +95,13 @@ class CostGraph:
         producer -> node per entry of its users (kind "user"), holders ("holder") and mutated_by
         ("mutated_by"), keyed by (storage id, kind, position in that tuple), with `storage`, `bytes`,
         `kind` and `output`. Graph attributes: fixed_bytes, param_bytes, region_s, sac_op_s,
-        optimizer_step_bytes, loss_differentiates, meta, and n_storages (a storage nobody reads, holds or writes has no
+        optimizer_step_bytes, loss_differentiates, inflight, meta, and n_storages (a storage nobody reads, holds or writes has no
         edge: its producer's `storages` has it)."""
         import networkx as nx
 
         g = nx.MultiDiGraph(fixed_bytes=self.fixed_bytes, param_bytes=self.param_bytes, region_s=self.region_s,
                             sac_op_s=self.sac_op_s, optimizer_step_bytes=self.optimizer_step_bytes,
-                            loss_differentiates=self.loss_differentiates, meta=dict(self.meta), n_storages=len(self.storages))
+                            loss_differentiates=self.loss_differentiates, inflight=self.inflight, meta=dict(self.meta), n_storages=len(self.storages))
         made: list[list[tuple]] = [[] for _ in self.nodes]
         for sid, s in enumerate(self.storages):
             made[s.producer].append((sid, s.bytes, s.output))
@@ -130,6 +134,7 @@ class CostGraph:
             sac_op_s=d.get("sac_op_s", 0.0),
             optimizer_step_bytes=d.get("optimizer_step_bytes"),
             loss_differentiates=d.get("loss_differentiates", False),
+            inflight=d.get("inflight", 0),
         )
 
 

@@ -46,6 +46,33 @@ class SolveOptions:
     """Plans the local search (planner/solve/improve.py) scores after a solve (at most its work limit
     divided by the graph's node count); 0: no local search."""
 
+@dataclass(frozen=True)
+class PipelineRank:
+    """What one rank of a pipeline-parallel job runs in a `schedule.step` (torch.distributed.pipelining),
+    as plain data: plan_and_wrap(stage_module, ..., schedule=schedule) reads it off the schedule
+    (runtime/distributed/pipeline.py) into `PlanOptions.pipeline`; the step planned is then the
+    rank's whole schedule.step, each of its micro-batches run by the stage module."""
+
+    actions: tuple[tuple[str, int], ...]
+    """The rank's forward ("F") and backward ("B") of each micro-batch, in the schedule's order."""
+    n_microbatches: int
+    first: bool
+    """The first stage: its inputs are the batch's micro-batches (no gradients); a later stage
+    receives each micro-batch's activations into a buffer of its own that takes a gradient."""
+    last: bool
+    """The last stage computes each micro-batch's loss (the plan's `loss_fn`), and keeps each
+    output to the step's end, where the schedule merges them (`return_outputs`)."""
+    keeps_outputs: bool = True
+
+    def in_flight(self) -> int:
+        """The most micro-batches between their forward and their backward at once."""
+        live, most = 0, 0
+        for kind, _ in self.actions:
+            live += 1 if kind == "F" else -1
+            most = max(most, live)
+        return most
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """How a step is planned: `plan_and_wrap(model, ..., options=PlanOptions(...))`, and the
@@ -100,6 +127,9 @@ class PlanOptions:
     accumulation_steps: int = 1
     """Gradient accumulation: with k > 1 the step planned is a micro-step after the first, every
     gradient live from its start (the optimizer, when given, steps after the last)."""
+    pipeline: PipelineRank | None = None
+    """The step planned is one rank's whole pipeline `schedule.step` (`PipelineRank`): set by
+    `plan_and_wrap(..., schedule=schedule)`. None: one forward and backward."""
     cache: bool = True
     """`plan_and_wrap` keeps each plan it makes on disk (runtime/plan_cache.py:
     `REMAT_CACHE_DIR`), and a later run of the same model, inputs, budget, loss and options

@@ -27,6 +27,7 @@ from remat.planner.result import Plan
 from remat.planner.step.state import instance_forwards, training_modes
 
 from . import distributed, dropin
+from .distributed import pipeline
 from .book import PlanBook
 from .budget import StepBudget
 from .measure import preserved, training_loss
@@ -266,7 +267,7 @@ def trainer_keywords(model: torch.nn.Module, kwargs: dict) -> dict:
 def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None, example_kwargs=None,
                   loss_fn: Callable | None = None, options: PlanOptions = PlanOptions(),
                   compile: bool | dict = False, optimizer: torch.optim.Optimizer | None = None,
-                  time: bool = False, budget=None) -> torch.nn.Module:
+                  time: bool = False, budget=None, schedule=None) -> torch.nn.Module:
     """Plan activation checkpointing into `model` so that one training step fits `budget_gb`, at
     the least recompute, and return `model` itself (the same object: its class, attributes,
     methods, forward signature, hooks, parameters and `state_dict()` are unchanged).
@@ -292,7 +293,8 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
     tried is compiled and measured with real steps on the example inputs, since Inductor decides
-    what else to save; the plan's predicted peak is that measured peak.
+    what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B
+    on the stage running `model`): the rank's whole `schedule.step` is planned (docs/pipeline.md).
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
     them (`Remat.time_plan`): `plan.facts.timing`, and a line of `plan.summary()`, give the
@@ -305,12 +307,11 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
         >>> w is m, w.remat.plan.regions
         (True, ())
     """
-    if budget_gb is not None and budget is not None:
-        raise BudgetError("plan_and_wrap() takes one budget: budget_gb= or its older name budget=, not both")
-    if budget_gb is None and budget is None:
-        raise BudgetError("plan_and_wrap() needs a budget: budget_gb=24 (GB), or a string such as '24GB' or '40%'")
-    budget = as_budget(budget_gb if budget is None else budget)
+    budget = _one_budget(budget_gb, budget)
     _not_compiled(model)
+    if schedule is not None:    # a pipeline stage (runtime/distributed/pipeline.py)
+        options, example_inputs, example_kwargs = pipeline_stage(model, schedule, options, example_inputs,
+                                                                 example_kwargs, compile)
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed/)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
@@ -323,6 +324,28 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
             if time:
                 state.time_plan(*(example_inputs or ()), **(example_kwargs or {}))
     return model
+
+
+def _one_budget(budget_gb, budget) -> Budget:
+    if budget_gb is not None and budget is not None:
+        raise BudgetError("plan_and_wrap() takes one budget: budget_gb= or its older name budget=, not both")
+    if budget_gb is None and budget is None:
+        raise BudgetError("plan_and_wrap() needs a budget: budget_gb=24 (GB), or a string such as '24GB' or '40%'")
+    return as_budget(budget_gb if budget is None else budget)
+
+
+def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, example_inputs, example_kwargs,
+                   compile) -> tuple[PlanOptions, tuple, dict]:
+    """The options and example inputs of a pipeline stage's plan (runtime/distributed/pipeline.py)."""
+    if example_inputs is None and example_kwargs is None:
+        raise ValueError("a pipeline stage is planned up front: pass example_inputs (one micro-batch's inputs "
+                         "of this stage)")
+    if compile or distributed.engine(model) is not None:
+        raise pipeline.PipelineScheduleError("a pipeline stage is planned eager and unsharded so far: plan it "
+                                             "without compile= and before fully_shard/DDP")
+    rank = pipeline.rank_of(schedule, model)
+    args, kwargs = pipeline.stage_inputs(tuple(example_inputs or ()), dict(example_kwargs or {}), rank)
+    return replace(options, pipeline=rank), args, kwargs
 
 
 def _not_compiled(model: torch.nn.Module) -> None:

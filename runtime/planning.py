@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, NamedTuple
 import torch
 
 from remat.planner import PlanOptions, solve_plan
+from remat.planner.options import PipelineRank
 from remat.planner.api import Analysis, analyze_for, input_signature
 from remat.planner.errors import PlanMismatchError, RematError, TraceError
 from remat.planner.facts import StepFacts
@@ -29,6 +30,7 @@ from remat.planner.capture.trace import Traced, cache_off, capture
 from . import plan_cache
 from .book import Entry, PlanBook
 from .budget import StepBudget
+from .distributed.pipeline import rank_peak
 from .measure import dry_run_peak
 from .rewrite import REGION_PROBE, CompiledReplay, plan_modules, rewrite, rewrite_plan
 from .signature import call_key
@@ -179,11 +181,15 @@ def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs
         a = analyze_for(s.model, args, kwargs, s.loss_fn, s.options, s.optimizer, REGION_PROBE)
     except TraceError as e:             # no graph at all: plan over the module tree
         return _over_module_tree(s, budget, book, args, kwargs, e)
-    budget_bytes = budget.resolve(unplanned_peak_bytes(a.cost_graph, s.options))
+    if s.options.pipeline is not None:      # the other micro-batches in flight (runtime/distributed/pipeline.py)
+        a = replace(a, cost_graph=replace(a.cost_graph, inflight=s.options.pipeline.in_flight() - 1))
+    measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
+    # '%' of the step without checkpointing: a pipeline rank's is its whole schedule.step, replayed
+    budget_bytes = budget.resolve(measure(()) if s.options.pipeline else unplanned_peak_bytes(a.cost_graph, s.options))
     if s.compile is not None:
         book.solves += 1
         return _compiled(s, a, budget_bytes)
-    return _solved(s, book, a, budget_bytes, args, kwargs)
+    return _solved(s, book, a, budget_bytes, args, kwargs, measure)
 
 
 def _over_module_tree(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict,
@@ -205,11 +211,11 @@ def _over_module_tree(s: Setting, budget: StepBudget, book: PlanBook, args: tupl
     return Entry(p, None, None)
 
 
-def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tuple, kwargs: dict) -> Entry:
+def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tuple, kwargs: dict,
+            measure: "ExactReplay") -> Entry:
     """A plan made at other inputs on the same graph when it still fits (one prediction, no
-    solve), else a solve, every candidate replayed exactly (`ExactReplay`)."""
+    solve), else a solve, every candidate replayed exactly (`measure`)."""
     model = s.model
-    measure = ExactReplay(model, a, s.loss_fn)
     for e in book.on_path(a.traced.path):
         p = reuse_plan(a.cost_graph, e.plan, budget_bytes, s.options, measure)
         if p is not None:
@@ -260,6 +266,9 @@ def check_matches(plan: Plan, traced, named: dict) -> None:
                                     f"got {have and have.get('shape')} {have and have.get('dtype')}")
 
 
+PIPELINE_ROUNDS = 8
+
+
 class ExactReplay:
     """The `planner.solve.fit.Measure` of eager plans: rewrite with the regions and dry-run the step on
     fake tensors (runtime.measure.replay).
@@ -270,8 +279,9 @@ class ExactReplay:
     what = "the exact replay on fake tensors"
     rounds = DEFAULT_ROUNDS
 
-    def __init__(self, model: torch.nn.Module, analysis, loss_fn):
+    def __init__(self, model: torch.nn.Module, analysis, loss_fn, pipeline: PipelineRank | None = None):
         self.model, self.analysis, self.loss_fn = model, analysis, analysis.fake_loss or loss_fn
+        self.pipeline = pipeline                # a pipeline rank: its whole schedule.step is replayed
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
@@ -280,8 +290,10 @@ class ExactReplay:
         # it: planner.solve.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
         # none with gradient accumulation (the replay's gradients exist from the start, the profile's do not)
         facts = self.facts = StepFacts.of(analysis.cost_graph.meta)
-        self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates else max(
+        self.unplanned_guess = None if facts.measured_peak_bytes is None or facts.accumulates or pipeline else max(
             facts.measured_peak_bytes + facts.held_throughout_bytes, base_liveness(analysis.cost_graph).opt)
+        if pipeline is not None:    # the buffers a rank's schedule keeps are the replay's alone: more corrections
+            self.rounds = PIPELINE_ROUNDS
 
     def __call__(self, regions) -> int:
         key = tuple(regions)
@@ -297,7 +309,18 @@ class ExactReplay:
         a, facts = self.analysis, self.facts
         with training_modes(self.model):             # the step planned is a training step (planner.step.state)
             gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
+            if self.pipeline is not None:
+                return self._rank(gm)
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
                                     keep_output=facts.keep_output, grads=facts.accumulates)
         # held throughout: the optimizer's state, the math libraries' workspaces (planner/step/workspace.py)
         return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)
+
+    def _rank(self, gm) -> int:
+        """A pipeline rank's whole schedule.step replayed (runtime/distributed/pipeline.py), the
+        optimizer's state added; its step, when planned, on what the schedule leaves live."""
+        a, facts = self.analysis, self.facts
+        peak, end = rank_peak(gm, a.example_inputs, self.loss_fn, self.pipeline, self.opaque, a.opaque_examples)
+        cg = a.cost_graph
+        step = cg.optimizer_step_bytes
+        return max(peak, end if step is None else end + step) + facts.held_throughout_bytes

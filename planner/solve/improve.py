@@ -49,6 +49,8 @@ class Judge:
         base = base_liveness(cg)
         self.fwd, self.bwd, self.opt = base.fwd, base.bwd, base.opt
         self.bytes: dict[int, int] = {}
+        self.inflight = cg.inflight         # a pipeline rank: simulate.retained_bytes once per other micro-batch
+        self.outputs = sum(s.bytes for s in cg.storages if s.output)
         self.last: dict[int, int] = {}
         self.held: list[tuple[int, tuple[int, ...]]] = []
         for sid, s in enumerate(cg.storages):
@@ -89,7 +91,8 @@ class Judge:
         # the optimizer's step: the same under every plan (running sums in C: the search's inner loop)
         fwd = max(map(add, self.fwd[:n], accumulate(fd[:n])))
         bwd = max(map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work))
-        return max(self.opt, fwd, bwd)
+        held = self.inflight * (self.outputs + sum(self.bytes[sid] for sid in rel)) if self.inflight else 0
+        return max(self.opt, fwd + held, bwd + held)
 
 
 class Search(NamedTuple):

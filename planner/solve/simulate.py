@@ -25,6 +25,9 @@ Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_ext
                parameters of the units in flight, gradients before their reduce-scatter;
                planner/distributed.py); forward adds `fwd_held_bytes` the same way. Unlike
                bwd_extra_t, H_t is live while t's region recomputes (it is in the `outside` below).
+A pipeline rank (`CostGraph.inflight` = m other micro-batches in flight) adds m times what one
+micro-batch retains from its forward to its backward (its kept storages and outputs) to every
+node of both passes, the optimizer's step aside (runtime/distributed/pipeline.py).
 After backward, when the step planned has one, the optimizer steps: live are F (its state among
 them), every parameter grad, the kept outputs and the step's measured temporaries.
 At top(R), the recomputation itself runs, when top(R)'s backward starts: its peak is what is live
@@ -193,6 +196,9 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     fwd = tuple(base.fwd[t] + fwd_kept[t] for t in range(n))
     bwd = [base.bwd[t] + bwd_kept[t] for t in range(n)]
     flops, secs = 0, 0.0
+    held = cg.inflight * retained_bytes(cg, rel)          # the other micro-batches in flight
+    fwd = tuple(f + held for f in fwd)
+    bwd = [b + held for b in bwd]
     for r, rc in zip(regions, recomputes):
         for t in range(r.start, r.end + 1):
             bwd[t] += rc.work[t - r.start]
@@ -201,6 +207,13 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
             bwd[rc.top] = max(bwd[rc.top], outside + rc.peak)
         flops, secs = flops + rc.flops, secs + rc.seconds
     return Timeline(fwd, tuple(bwd), flops, secs, base.opt)
+
+
+def retained_bytes(cg: CostGraph, rel: list[int | None]) -> int:
+    """What one micro-batch holds from its forward to its backward under a plan: the storages it
+    keeps (`keep_release`'s not None) and its outputs. A pipeline rank holds it once per other
+    micro-batch in flight (`CostGraph.inflight`) throughout the step (NOTE [ liveness ])."""
+    return sum(s.bytes for s, r in zip(cg.storages, rel) if r is not None or s.output)
 
 
 def made_in_backward(cg: CostGraph) -> list[int]:

@@ -1,0 +1,62 @@
+"""A pipeline rank's memory model (issue 44): other micro-batches in flight hold what one keeps.
+
+`CostGraph.inflight` = m adds m times what a micro-batch retains from its forward to its backward
+(simulate.retained_bytes) to every node; the simulator, the ILP ([Pipeline] in NOTE [ ILP ]) and the
+local search's judge must agree to the byte, and the ILP must stay the exact optimum (brute force)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from remat.planner.options import PipelineRank
+from remat.planner.solve.candidates import candidates
+from remat.planner.solve.ilp import solve_ilp
+from remat.planner.solve.improve import Judge
+from remat.planner.solve.simulate import keep_release, region_index, retained_bytes, timeline
+
+from helpers import ilp_peaks_of_random_plans
+from test_solver import EVERY, every_plan, random_graph
+
+
+def _retained(cg, regions) -> int:
+    where = region_index(len(cg.nodes), regions)
+    tops = [None] * len(regions)
+    return retained_bytes(cg, keep_release(cg, regions, where, tops))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_inflight_micro_batches_add_what_a_plan_keeps_in_every_model(seed):
+    one = random_graph(200 + seed, n=9)
+    cg = replace(one, inflight=3)
+    cands = candidates(cg, EVERY)
+    judge = Judge(cg)
+    by_region = {c.region: c for c in cands}
+    for regions, ilp_bytes in ilp_peaks_of_random_plans(cg, cands, seed=seed, p=0.4, rounds=8):
+        tl, single = timeline(cg, regions), timeline(one, regions)
+        held = 3 * _retained(one, regions)
+        assert max(tl.fwd) == max(single.fwd) + held and max(tl.bwd) == max(single.bwd) + held
+        assert ilp_bytes == pytest.approx(tl.peak_bytes, abs=1)
+        assert judge.peak([by_region[r] for r in regions]) == tl.peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_ilp_is_the_exact_optimum_with_micro_batches_in_flight(seed):
+    cg = replace(random_graph(seed), inflight=2)
+    plans = [(timeline(cg, p), p) for p in every_plan(cg)]
+    peaks = sorted({tl.peak_bytes for tl, _ in plans})
+    cands = candidates(cg, EVERY)
+    mids = [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
+    for budget in {mids[0], mids[len(mids) // 2], mids[-1]}:
+        best = min(tl.recompute_s for tl, _ in plans if tl.peak_bytes <= budget)
+        sol = solve_ilp(cg, budget, EVERY, cands=cands)
+        assert sol is not None and timeline(cg, sol.regions).peak_bytes <= budget
+        assert timeline(cg, sol.regions).recompute_s == pytest.approx(best, rel=1e-6)
+
+
+def test_a_schedules_micro_batches_in_flight():
+    gpipe0 = PipelineRank(tuple([("F", m) for m in range(4)] + [("B", m) for m in range(4)]), 4, True, False)
+    one_f_one_b0 = PipelineRank((("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)),
+                                4, True, False)
+    last = PipelineRank(tuple(a for m in range(4) for a in (("F", m), ("B", m))), 4, False, True)
+    assert (gpipe0.in_flight(), one_f_one_b0.in_flight(), last.in_flight()) == (4, 2, 1)
