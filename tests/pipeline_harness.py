@@ -16,14 +16,18 @@ activation buffer per micro-batch per input on every stage but the first;
 `_prepare_backward_infra`: one gradient buffer per micro-batch per output on every stage but the
 last) and keeps them: step 1 allocates them inside the step, later steps find them live. Gradients
 a backward left on the activation buffers (`buffer.grad`, the stage's input gradients it sent back)
-are live until the next step's `clear_runtime_states` drops them at its start. The harness sets
+are live until the next step's `clear_runtime_states` drops them at its start (as are the last
+stage's `output_chunks` with `return_outputs`): reported in `live_before` (kinds TRANSIENT) but not
+counted in the step's peak, since they are freed before the step allocates. The harness sets
 the parameters' gradients to None before each step (outside the meter), so a step begins without
 them; with `optimizer=True` AdamW's step runs inside the metered step and its state (made in step
-1) is live before later steps. The last stage's outputs are not kept (`return_outputs=False`).
+1) is live before later steps. The last stage's outputs are not kept (`return_outputs=False`,
+`run`'s default): with `return_outputs=True` every micro-batch's logits are kept to the step's end
+(`output_chunks`, merged by torch.cat into a new tensor the step returns).
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import tempfile
 import time
@@ -220,8 +224,14 @@ def _walk(x, out: list, depth: int = 0, seen=None) -> list:
     return out
 
 
+# freed by the next step's clear_runtime_states, at its start: not passed to the meter as live (its
+# arguments are held for the whole step: they would be kept alive)
+TRANSIENT = ("recv_act_buffer_grads", "other")
+
+
 def held(stage, schedule, module: nn.Module, opt, inputs) -> tuple[dict[str, int], list[torch.Tensor]]:
-    """What the rank holds now, by kind (bytes), and the tensors themselves (each storage once)."""
+    """What the rank holds now, by kind (bytes), and the tensors that persist through a step
+    (each storage once; not those of TRANSIENT kinds)."""
     params = list(module.parameters()) + list(module.buffers())
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     act = [a.buffer for r in stage.args_recv_info.values() for a in r if getattr(a, "buffer", None) is not None]
@@ -245,7 +255,8 @@ def held(stage, schedule, module: nn.Module, opt, inputs) -> tuple[dict[str, int
                 seen.add(key)
                 fresh.append(t)
         out[k] = _nbytes(fresh)
-        tensors += fresh
+        if k not in TRANSIENT:
+            tensors += fresh
     out["total"] = sum(out.values())
     return out, tensors
 
@@ -315,7 +326,8 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
     inputs = [tokens] if first else []
     inputs += [targets] if last else []
-    res.update(peaks=[], live_before=[], seconds=[], losses=[])
+    res.update(peaks=[], live_before=[], seconds=[], losses=[], trace=[])
+    keep = cfg["return_outputs"]
     for _ in range(cfg["steps"]):
         module.zero_grad(set_to_none=True)
         live, live_tensors = held(stage, schedule, module, opt, inputs)
@@ -323,16 +335,17 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
 
         def step():
             if first:
-                schedule.step(tokens, return_outputs=False)
+                schedule.step(tokens, return_outputs=keep)
             elif last:
-                schedule.step(target=targets, losses=losses, return_outputs=False)
+                schedule.step(target=targets, losses=losses, return_outputs=keep)
             else:
-                schedule.step(return_outputs=False)
+                schedule.step(return_outputs=keep)
             if opt is not None:
                 opt.step()
 
         t0 = time.perf_counter()
-        peak = peak_memory(step, module, *live_tensors)
+        with _traced(stage, res["trace"]) if cfg["trace"] else _nothing():
+            peak = peak_memory(step, module, *live_tensors)
         res["seconds"].append(time.perf_counter() - t0)
         res["peaks"].append(peak)
         res["live_before"].append(live)
@@ -346,9 +359,56 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+@contextlib.contextmanager
+def _traced(stage, out: list):
+    """Inside, the meter records its live bytes after every op into a new list appended to `out`,
+    and the stage's forward_one_chunk / backward_one_chunk mark where each micro-batch's begins
+    and ends."""
+    from remat.runtime.measure import peak as peak_mod
+    events: list = []
+    out.append(events)
+    base = peak_mod.StorageMeter
+
+    class Tracing(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = super().__torch_dispatch__(func, types, args, kwargs)
+            events.append((str(func.overloadpacket.__name__), self.live_bytes))
+            return r
+
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(i, *a, **k):
+        events.append(("F", i))
+        try:
+            return fwd(i, *a, **k)
+        finally:
+            events.append(("end F", i))
+
+    def backward_one_chunk(i, *a, **k):
+        events.append(("B", i))
+        try:
+            return bwd(i, *a, **k)
+        finally:
+            events.append(("end B", i))
+
+    peak_mod.StorageMeter = Tracing
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    try:
+        yield
+    finally:
+        peak_mod.StorageMeter = base
+        del stage.forward_one_chunk, stage.backward_one_chunk
+
+
 def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,
         steps: int = 2, model: str = "gpt", optimizer: bool = False, checkpoint_blocks: bool = False,
-        layers_per_stage: int = 2, seed: int = SEED) -> list[dict]:
+        layers_per_stage: int = 2, seed: int = SEED, return_outputs: bool = False,
+        trace: bool = False) -> list[dict]:
     """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a stage)
     on `n_stages` gloo ranks under `schedule` ("gpipe" or "1f1b") with `n_microbatches`
     micro-batches of MB rows (the same global batch each step). With `plan`, each rank plans its
@@ -362,12 +422,17 @@ def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, bud
     step, the mean of the micro-batches' losses on the last rank, else None) and `loss` (the last
     step's), `grads` (name -> the parameter gradients after the last step), `seconds` (per
     metered step), `param_bytes`, and when planned `predicted_peak_bytes`, `budget_bytes`,
-    `regions` ((start, end) per region) and `plan_seconds`."""
+    `regions` ((start, end) per region) and `plan_seconds`. With `trace`, `trace` lists per step
+    the meter's live bytes after each op: ("F", i) / ("B", i) / ("end F", i) / ("end B", i) marks
+    around each micro-batch's forward and backward, then (op name, live bytes) entries. `return_outputs` is passed to
+    `schedule.step`: with it the last stage keeps every micro-batch's output (its
+    `output_chunks`) until the step merges them, and from then until the next step begins."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
     cfg = dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan,
                steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
-               layers_per_stage=layers_per_stage, seed=seed)
+               layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs,
+               trace=trace)
     with tempfile.TemporaryDirectory(prefix="remat-pipeline-") as tmp:
         store_path = os.path.join(tmp, "store")
         try:

@@ -35,6 +35,8 @@ def test_gpt_stages_compose_to_the_same_model(n_stages):
     assert all(not (a & b) for i, a in enumerate(ids) for b in ids[i + 1:])
 
 
+@pytest.mark.slow
+@pytest.mark.hf
 def test_llama_stages_compose_to_the_model():
     """The Llama split gives LlamaForCausalLM's own logits (rotary embedding on each stage, SDPA's
     causal mask)."""
@@ -124,6 +126,31 @@ def test_optimizer_step_inside_the_step():
         assert r["live_before"][0]["optimizer_state"] == 0
         assert r["live_before"][1]["optimizer_state"] >= 2 * r["param_bytes"]
     assert ranks[1]["losses"][1] < ranks[1]["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_llama_pipeline_runs():
+    """The Hugging Face split runs under both schedules with the same losses and gradients, and
+    1F1B holds less than GPipe on each rank."""
+    pytest.importorskip("transformers")
+    runs = {s: ph.run(s, n_microbatches=NMB, model="llama") for s in ph.SCHEDULES}
+    for r0, r1 in zip(runs["gpipe"], runs["1f1b"]):
+        assert r1["peaks"][-1] < r0["peaks"][-1]
+        assert r0["losses"] == r1["losses"]
+        assert all(torch.equal(r0["grads"][k], r1["grads"][k]) for k in r0["grads"])
+
+
+@pytest.mark.slow
+def test_trace_marks_the_micro_batches():
+    """`trace` gives the meter's live bytes op by op, its largest the measured peak, and the
+    schedule's order of micro-batches (1F1B on rank 0: F0 F1 B0 F2 B1 F3 B2 B3)."""
+    ranks = ph.run("1f1b", n_microbatches=NMB, steps=1, trace=True)
+    for r in ranks:
+        events = r["trace"][0]
+        assert max(v for k, v in events if k not in ("F", "B", "end F", "end B")) == r["peaks"][0]
+    order = [f"{k}{i}" for k, i in ranks[0]["trace"][0] if k in ("F", "B")]
+    assert order == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
 
 
 # ---------------------------------------------------------------- planned per rank (issue 44)
