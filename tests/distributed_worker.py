@@ -122,18 +122,20 @@ def batch() -> torch.Tensor:
 
 
 def hf_llama() -> nn.Module:
-    """A tiny Hugging Face LlamaForCausalLM from a config (4 decoder layers, d=128, vocab 4096:
-    its logits and their cross-entropy hold the floor)."""
+    """A tiny Hugging Face LlamaForCausalLM from a config (2 decoder layers: two units and the
+    root, a unit's output handed to the next; d=128, vocab 4096: its logits and their
+    cross-entropy hold the floor). 2 layers, not 4: each capture of a layer costs seconds, and
+    the Llama is captured twice per rank (at 60%, then at the floor)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     return LlamaForCausalLM(LlamaConfig(vocab_size=HF_VOCAB["llama"], hidden_size=128, intermediate_size=256,
-                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                         max_position_embeddings=256))
 
 
 def hf_gpt2() -> nn.Module:
-    """A tiny Hugging Face GPT2LMHeadModel from a config (4 blocks, d=128, vocab 512, no dropout)."""
+    """A tiny Hugging Face GPT2LMHeadModel from a config (2 blocks, d=128, vocab 512, no dropout)."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=HF_VOCAB["gpt2"], n_embd=128, n_layer=4, n_head=4, n_positions=128,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=HF_VOCAB["gpt2"], n_embd=128, n_layer=2, n_head=4, n_positions=128,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
