@@ -21,7 +21,7 @@ import torch
 from remat.planner.compat import (TorchDispatchMode, reparametrize_module, compute_required_storage_length, make_contiguous_strides_for, tree_flatten,
                      tree_map, tree_unflatten)
 from remat.planner.compat import disable_current_modes as _disable_current_modes
-from remat.planner.compat import TotalFlops
+from remat.planner.compat import TotalFlops, held_elsewhere
 
 from remat.planner.step.kernels import FLOP_FORMULAS
 from remat.planner.step.rng import host_rng_restored, rng_preserved
@@ -133,7 +133,7 @@ def _memory(cost: "OpaqueCost") -> int:
 
 
 def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
-                   grad_strides=None):
+                   grad_strides=None, held_grads=None):
     """Run `module` for real on `example` (its real inputs, see `real_inputs`), else on
     random inputs shaped like the fake `args`; returns (cost, fake-able outputs).
 
@@ -141,22 +141,23 @@ def measure_opaque(module: torch.nn.Module, real_state: dict[str, torch.Tensor],
     another branch in every step: it is measured again under RANDOM_DRAWS fixed seeds and the
     draw that holds the most memory is kept (the inputs any draw saves, all saved), so the plan
     does not depend on the draw that planning happened to see. `grad_strides`: the layout of each
-    output's grad (default contiguous), as the step's backward hands them over."""
-    cost, shapes, drew = _measure_once(module, real_state, args, kwargs, example, grad_strides)
+    output's grad (default contiguous), as the step's backward hands them over; `held_grads`: whether
+    the step holds each through the module's backward (default all: `_Seeds`)."""
+    cost, shapes, drew = _measure_once(module, real_state, args, kwargs, example, grad_strides, held_grads)
     if not drew:
         return cost, shapes
     runs = [(cost, shapes)]
     for seed in range(RANDOM_DRAWS):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            runs.append(_measure_once(module, real_state, args, kwargs, example, grad_strides)[:2])
+            runs.append(_measure_once(module, real_state, args, kwargs, example, grad_strides, held_grads)[:2])
     worst, worst_shapes = max(runs, key=lambda r: _memory(r[0]))
     saved = tuple(sorted(set().union(*(c.saved_input_positions for c, _ in runs))))
     return replace(worst, saved_input_positions=saved, flops=max(c.flops for c, _ in runs)), worst_shapes
 
 
 def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
-                  grad_strides=None):
+                  grad_strides=None, held_grads=None):
     """One real run of `measure_opaque`: (cost, fake-able outputs, whether it drew from torch's RNG)."""
     # the profile's own modes (fake tensors, its meters) must not see this real run
     with _disable_current_modes(), rng_preserved():
@@ -198,7 +199,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             saved_inputs, saved_outputs = _still_saved(packed, inputs, outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             in_backward = len(made)
-            bwd_extra, bwd_start = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides)
+            bwd_extra, bwd_start = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides, held_grads)
             # the casts of its weights that autocast caches (and a recompute reuses) live until autocast
             # exits, after the step's backward: the stand-in makes them first and holds them to the
             # step's end (`step_held`), apart from what it holds until its backward
@@ -269,12 +270,13 @@ def _still_saved(packed: list, inputs: list[torch.Tensor], outs: list[torch.Tens
     return ins, outs_saved
 
 
-def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides) -> tuple[int, int]:
+def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides, held_grads=None) -> tuple[int, int]:
     """The backward's peak above what it starts with (saved tensors and the outputs' grads, which
     autograd makes (_Seeds) and frees once used, as the step's backward hands them over), and that start."""
     strides = list(grad_strides) if grad_strides is not None else [make_contiguous_strides_for(t.shape) for t in grads]
     seed, held = torch.zeros(()), []
-    root = _Seeds.apply(strides, held, *grads) if grads else None
+    hold = list(held_grads) if held_grads is not None else [True] * len(grads)
+    root = _Seeds.apply(strides, hold, held, *grads) if grads else None
     live.reset_peak()
     before = live.live_bytes + sum(compute_required_storage_length(t.shape, st, 0) * t.element_size()
                                    for t, st in zip(grads, strides))
@@ -326,24 +328,25 @@ class _Casts(TorchDispatchMode):
 
 class _Seeds(torch.autograd.Function):
     """A scalar whose backward gives each of its inputs a gradient of ones, laid out as given,
-    and keeps them in `held` until the measurement drops it: in a step the grad of a module's
-    output is often another node's too (a residual `x + f(x)` hands the same grad to both
+    and keeps those `hold` names in `held` until the measurement drops it: in a step the grad of a
+    module's output may be another node's too (a residual `x + f(x)` hands the same grad to both
     branches: autograd keeps it for the other), so it lives through the module's whole backward
     (fuzz seed 40596: freed at its first use inside the module, an opaque block's backward peak
-    missed one activation, 18% under the measured peak). Where the step frees it early, the
-    prediction is above the measured peak by at most those bytes."""
+    missed one activation, 18% under the measured peak); one the step does not share is freed
+    at its first use, or added into in place by autograd (fuzz seed 40501: a held one cost the
+    module's residual sum a new tensor, 5% over). The step's backward tells which (`grads_held`)."""
 
     @staticmethod
-    def forward(ctx, strides, held: list, *outs):
+    def forward(ctx, strides, hold: list, held: list, *outs):
         ctx.specs = [(t.shape, st, t.dtype, t.device) for t, st in zip(outs, strides)]
-        ctx.held = held
+        ctx.hold, ctx.held = hold, held
         return torch.zeros(())
 
     @staticmethod
     def backward(ctx, grad):
         grads = tuple(_strided(shape, st, dtype, device, 1.0) for shape, st, dtype, device in ctx.specs)
-        ctx.held.extend(grads)
-        return (None, None) + grads
+        ctx.held.extend(g for g, h in zip(grads, ctx.hold) if h)
+        return (None, None, None) + grads
 
 
 _STEP_HELD: dict[int, torch.Tensor] = {}   # what stand-ins hold to the end of the step (autocast's casts), by module
@@ -366,17 +369,19 @@ def _outliving_of(cost: OpaqueCost) -> Outliving:
 
 class _Measured:
     """One stand-in's measurement, shared by its StandIn and _Held: the cost as measured with
-    contiguous output grads, and again (once per layout) with the grads the step hands over."""
+    contiguous output grads, all held through its backward, and again (once per kind) with the
+    grads the step hands over."""
 
     def __init__(self, cost: OpaqueCost, rerun):
         self.cost, self._rerun, self._by_layout = cost, rerun, {}
 
-    def for_grads(self, strides: tuple) -> OpaqueCost:
-        """The cost with output grads of these layouts: a non-contiguous one (the backward of a
-        transpose after it) may be copied by the module, or be passed on as it is."""
-        if strides not in self._by_layout:
-            self._by_layout[strides] = self._rerun(strides)
-        self.cost = self._by_layout[strides]
+    def for_grads(self, strides: tuple, held: tuple) -> OpaqueCost:
+        """The cost with output grads of these layouts, held through its backward or not: a
+        non-contiguous one (the backward of a transpose after it) may be copied by the module, or
+        be passed on as it is."""
+        if (strides, held) not in self._by_layout:
+            self._by_layout[strides, held] = self._rerun(strides, held)
+        self.cost = self._by_layout[strides, held]
         return self.cost
 
 
@@ -441,10 +446,11 @@ class _Held(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         cost = ctx.measured.cost
-        if any(g is not None and not g.is_contiguous() for g in grads):    # measured with contiguous ones
-            cost = ctx.measured.for_grads(tuple(
-                tuple(g.stride()) if g is not None else make_contiguous_strides_for(shape)
-                for g, (shape, needs) in zip(grads, ctx.outs) if needs))
+        given = [(g, shape) for g, (shape, needs) in zip(grads, ctx.outs) if needs]
+        held = tuple(g is None or held_elsewhere(g) for g, _ in given)
+        if not all(held) or any(g is not None and not g.is_contiguous() for g, _ in given):  # measured so
+            cost = ctx.measured.for_grads(tuple(tuple(g.stride()) if g is not None else make_contiguous_strides_for(shape)
+                                                for g, shape in given), held)
         # this is the module's first unpack: a checkpoint region around it recomputes now, on top of
         # the grads the module's backward made before its first unpack (`_Unpacks`); the saved
         # tensors are held through the peak: when a region recomputed them, the unpacked tensors are
@@ -478,9 +484,9 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     specs = tree_map(_spec_of, (args, kwargs))
     autocast = _autocast_now()
 
-    def rerun(grad_strides):        # in the step's backward: as in its forward
+    def rerun(grad_strides, held_grads):        # in the step's backward: as in its forward
         with around(), torch.enable_grad(), _autocast(autocast):
-            return measure_opaque(module, real_state, *specs, example, grad_strides)[0]
+            return measure_opaque(module, real_state, *specs, example, grad_strides, held_grads)[0]
     with around():
         cost, out_spec = measure_opaque(module, real_state, *specs, example)
     if cost.cast_bytes and id(module) not in _STEP_HELD:   # a recompute finds them in autocast's cache
