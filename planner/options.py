@@ -63,6 +63,35 @@ class PipelineRank:
     """The last stage computes each micro-batch's loss (the plan's `loss_fn`), and keeps each
     output to the step's end, where the schedule merges them (`return_outputs`)."""
     keeps_outputs: bool = True
+    sends: tuple[tuple[int, int], ...] = ()
+    """Outputs the schedule's pending sends hold past their backward (gloo's send works keep the
+    tensor they send): (micro-batch, the backward after which the send is dropped; n_microbatches:
+    the step's end)."""
+    keeps_input_grads: bool = False
+    """A later stage's input gradients (sent back, then dropped from the buffers) are held by
+    their pending sends to the step's end (GPipe); False: each until the next backward ends (1F1B)."""
+
+    @classmethod
+    def one_stage(cls, schedule: str, stage: int, n_stages: int, n_microbatches: int) -> "PipelineRank":
+        """The order torch's one-stage schedules run a stage's micro-batches in: "gpipe" (every
+        forward, then every backward) or "1f1b" (min(micro-batches, stages - stage) forwards, then
+        a backward and a forward in turn; torch.distributed.pipelining's Schedule1F1B)."""
+        n, last = n_microbatches, stage == n_stages - 1
+        if schedule == "gpipe":         # every forward's send is waited for, and kept, to the step's end
+            acts = [("F", m) for m in range(n)] + [("B", m) for m in range(n)]
+            sends = () if last else tuple((m, n) for m in range(n))
+        elif schedule == "1f1b":
+            warm = min(n, n_stages - stage)
+            acts = [("F", m) for m in range(warm)]
+            for b in range(n):
+                acts.append(("B", b))
+                if warm + b < n:
+                    acts.append(("F", warm + b))
+            # the warmup's last fired send (micro-batch warm - 2) is kept until the 1B1F loop ends
+            sends = () if last or warm < 2 else ((warm - 2, max(n - warm, warm - 2)),)
+        else:
+            raise ValueError(f"schedule {schedule!r}: 'gpipe' or '1f1b'")
+        return cls(tuple(acts), n, stage == 0, last, sends=sends, keeps_input_grads=schedule == "gpipe")
 
     def in_flight(self) -> int:
         """The most micro-batches between their forward and their backward at once."""
@@ -127,6 +156,10 @@ class PlanOptions:
     accumulation_steps: int = 1
     """Gradient accumulation: with k > 1 the step planned is a micro-step after the first, every
     gradient live from its start (the optimizer, when given, steps after the last)."""
+    pipeline_outputs: bool = True
+    """A pipeline's last stage keeps every micro-batch's output to the end of `schedule.step`
+    (torch's `return_outputs=True`, its default); False if you call `schedule.step(...,
+    return_outputs=False)`."""
     pipeline: PipelineRank | None = None
     """The step planned is one rank's whole pipeline `schedule.step` (`PipelineRank`): set by
     `plan_and_wrap(..., schedule=schedule)`. None: one forward and backward."""

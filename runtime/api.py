@@ -343,7 +343,7 @@ def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, examp
     if compile or distributed.engine(model) is not None:
         raise pipeline.PipelineScheduleError("a pipeline stage is planned eager and unsharded so far: plan it "
                                              "without compile= and before fully_shard/DDP")
-    rank = pipeline.rank_of(schedule, model)
+    rank = replace(pipeline.rank_of(schedule, model), keeps_outputs=options.pipeline_outputs)
     args, kwargs = pipeline.stage_inputs(tuple(example_inputs or ()), dict(example_kwargs or {}), rank)
     return replace(options, pipeline=rank), args, kwargs
 

@@ -1,11 +1,11 @@
 """Pipeline parallelism (issue 44): a tiny GPT split into 2 stages on 2 gloo ranks under
-torch.distributed.pipelining's GPipe and 1F1B schedules (tests/pipeline_harness.py), metered per
+torch.distributed.pipelining's GPipe and 1F1B schedules (benchmarks/pipeline_run.py), metered per
 rank; planned per rank by remat once plan_and_wrap takes `schedule=`."""
 import pytest
 import torch
 
-import pipeline_harness as ph
-from pipeline_harness import MB, SEQ, D
+import benchmarks.pipeline_run as ph
+from benchmarks.pipeline_run import MB, SEQ, D
 
 NMB = 4
 BUF = NMB * MB * SEQ * D * 4          # one receive buffer per micro-batch (float32 activations)

@@ -12,14 +12,19 @@ NOTE [ a rank's step ]
 What torch's pipelining runtime keeps on a rank (torch/distributed/pipelining/stage.py), replayed:
 - every micro-batch's inputs, the whole step: the first stage's are chunks of the batch the caller
   holds; a later stage receives each into a buffer of its own, kept between steps;
-- a later stage's inputs take gradients (`torch.autograd.backward` fills each receive buffer's
-  `.grad`), kept until the next step clears them (`clear_runtime_states`);
+- a later stage's input gradients (`torch.autograd.backward` fills each receive buffer's `.grad`,
+  which stage_backward hands to a send and drops): the sends hold them, under GPipe to the step's
+  end, under 1F1B until the next backward ends (`PipelineRank.keeps_input_grads`);
 - a stage's output, from its micro-batch's forward to its backward (`fwd_cache`); the last stage
   keeps each output (detached) to the step's end, where the schedule merges them
   (`output_chunks`, `return_outputs=True`: one more copy of them all, as `torch.cat` makes it);
 - a stage before the last receives each micro-batch's output gradient into a buffer of its own,
   kept between steps;
-- the last stage's loss, from its micro-batch's forward (`_maybe_compute_loss`) to its backward;
+- the last stage's loss, from its micro-batch's forward (`_maybe_compute_loss`) to the step's end;
+- the latest forward's output until the next forward returns (the schedule's `output` local);
+- outputs a pending send holds (gloo's send works keep their tensor): under GPipe every
+  forward's, to the step's end; under 1F1B the warmup's last fired one (micro-batch
+  min(micro-batches, stages - stage) - 2) until the 1B1F loop ends (`PipelineRank.sends`);
 - parameter gradients from the rank's first backward on, accumulated (then scaled in place).
 Each micro-batch saves what the plan's regions leave saved; under GPipe a stage holds all of
 them before its first backward, under 1F1B at most (stages - stage index). Schedules that split
@@ -27,6 +32,8 @@ backward into input and weight parts (zero bubble, DualPipeV) and ranks holding 
 (interleaved) are refused by name.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -38,6 +45,12 @@ from remat.planner.step.fake import fake_step, meta_first, tensors, training_los
 from remat.planner.step.storage import LiveBytes
 
 from ..measure.replay import _standing_in
+
+# torch's one-stage schedules, by the order they run a stage's micro-batches in (PipelineRank.one_stage:
+# their `_step_microbatches`; their `pipeline_order` numbers a later rank's micro-batches from 1 under
+# 1F1B on torch 2.13, so it is not read)
+ONE_STAGE = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+
 
 class PipelineScheduleError(RematError, TypeError):
     """A schedule remat cannot plan a stage for (yet), or a stage module that is not the schedule's."""
@@ -55,21 +68,12 @@ def rank_of(schedule, stage_module: torch.nn.Module) -> PipelineRank:
     if stage.submod is not stage_module:
         raise PipelineScheduleError("the module planned is not the one the schedule's PipelineStage runs "
                                     "(pass stage.submod)")
-    order = getattr(schedule, "pipeline_order", None)
-    if not order or stage.group_rank not in order:
-        raise PipelineScheduleError(f"{type(schedule).__name__} has no action order (pipeline_order) remat can read")
-    actions, seen = [], {"F": 0, "B": 0}
-    for a in order[stage.group_rank]:
-        kind = None if a is None else a.computation_type.value
-        if kind in ("I", "W", "OVERLAP_F_B"):
-            raise PipelineScheduleError(f"{type(schedule).__name__} splits backward into input and weight parts "
-                                        "(zero bubble): remat plans GPipe and 1F1B schedules so far")
-        if kind in ("F", "B") and a.stage_index == stage.stage_index:
-            # a one-stage schedule runs its micro-batches' forwards, and their backwards, in order; its
-            # action order numbers a later rank's from 1 under 1F1B (torch 2.13), so they are counted here
-            actions.append((kind, seen[kind]))
-            seen[kind] += 1
-    return PipelineRank(tuple(actions), schedule_microbatches(schedule), bool(stage.is_first), bool(stage.is_last))
+    kind = ONE_STAGE.get(type(schedule).__name__)
+    if kind is None:
+        raise PipelineScheduleError(
+            f"{type(schedule).__name__}: remat plans stages of ScheduleGPipe and Schedule1F1B so far (zero-bubble "
+            "schedules split backward into input and weight parts; interleaved ones run several stages per rank)")
+    return PipelineRank.one_stage(kind, stage.stage_index, stage.num_stages, schedule_microbatches(schedule))
 
 
 def stage_inputs(args: tuple, kwargs: dict, rank: PipelineRank) -> tuple[tuple, dict]:
@@ -91,10 +95,15 @@ def _copy(x):
 class _Rank:
     """One replay of a rank's action order (NOTE [ a rank's step ]) on a fake step."""
 
-    def __init__(self, gm, fake, loss_fn, rank: PipelineRank):
-        self.gm, self.fake, self.loss_fn, self.rank = gm, fake, loss_fn, rank
+    def __init__(self, gm, fake, loss_fn, rank: PipelineRank, meter: LiveBytes):
+        self.gm, self.fake, self.loss_fn, self.rank, self.meter = gm, fake, loss_fn, rank, meter
         self.cache: dict[int, tuple] = {}
         self.kept: list = []
+        self.losses: list = []
+        self.latest = None       # the schedule's `output` local: the latest forward's, until the next returns
+        self.sent: dict[int, object] = {}    # outputs pending sends hold (PipelineRank.sends)
+        self.grad_sends: list = []           # input grads pending sends hold (PipelineRank.keeps_input_grads)
+        self.loss_reads = 0      # the other micro-batches' targets (`_loss_reads`)
 
     def run(self, grad_shapes: list) -> None:
         rank, fake = self.rank, self.fake
@@ -112,11 +121,35 @@ class _Rank:
         out = self.gm(**self.inputs[m])
         loss = None
         if self.rank.last:
-            with self.fake.reads():
+            with self.fake.reads(), self._loss_reads():
                 loss = training_loss(out, self.loss_fn)
+            self.losses.append(loss)     # the schedule keeps each loss to the step's end (`losses=`)
             if self.rank.keeps_outputs:
                 self.kept.append(out)
         self.cache[m] = (out, loss)
+        self.latest = out
+        if any(k == m for k, _ in self.rank.sends):
+            self.sent[m] = out
+
+    @contextlib.contextmanager
+    def _loss_reads(self):
+        """Counts what the other micro-batches' targets add: a target the loss reads that the step
+        did not make is one micro-batch's; the caller holds every micro-batch's (a slice of a whole
+        batch's targets holds them all already: its storage is counted whole)."""
+        meter, seen = self.meter, []
+
+        def read(t):
+            new = LiveBytes.read(meter, t)
+            if new:
+                seen.append((t.numel() * t.element_size(), t.untyped_storage().nbytes()))
+            return new
+        meter.read = read
+        try:
+            yield
+        finally:
+            del meter.read
+        n = self.rank.n_microbatches
+        self.loss_reads = max(self.loss_reads, sum(max(0, n * viewed - whole) for viewed, whole in seen))
 
     def backward(self, m: int) -> None:
         out, loss = self.cache.pop(m)
@@ -126,6 +159,16 @@ class _Rank:
             else:
                 outs = [t for t in tensors(out) if t.requires_grad]
                 torch.autograd.backward(outs, self.grads[m][:len(outs)])
+        for k, until in self.rank.sends:
+            if until == m:
+                self.sent.pop(k, None)
+        # the input grads leave the receive buffers for their sends (stage_backward: `val.grad = None`)
+        grads = []
+        for x in tensors(self.inputs[m]):
+            if x.grad is not None:
+                grads.append(x.grad)
+                x.grad = None
+        self.grad_sends = self.grad_sends + [grads] if self.rank.keeps_input_grads else [grads]
 
 
 def rank_peak(gm: torch.nn.Module, kwargs: dict, loss_fn, rank: PipelineRank, opaque: tuple[str, ...] = (),
@@ -136,7 +179,9 @@ def rank_peak(gm: torch.nn.Module, kwargs: dict, loss_fn, rank: PipelineRank, op
             with torch.no_grad():       # the shapes of the output grads the stage receives
                 shapes = [(t.shape, t.dtype) for t in tensors(gm(**fake.inputs)) if t.is_floating_point()]
             with LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter, step_held():
-                _Rank(gm, fake, loss_fn, rank).run(shapes)
+                step = _Rank(gm, fake, loss_fn, rank, meter)
+                step.run(shapes)
                 end = meter.live_bytes + meter.read_bytes
-            return meter.peak_bytes, end
+            # every micro-batch's loss reads its own chunk of the targets the caller holds all step
+            return meter.peak_bytes + step.loss_reads, end + step.loss_reads
     return meta_first(gm, kwargs, run)

@@ -2,7 +2,7 @@
 blocks into stages, each rank running its stage under torch.distributed.pipelining's ScheduleGPipe
 or Schedule1F1B, optionally planned by remat per rank, and metered step by step.
 
-    from pipeline_harness import run
+    from benchmarks.pipeline_run import run
     ranks = run("1f1b", n_stages=2, n_microbatches=4, budget="60%", plan=True)
 
 `run` spawns one process per stage (torch.multiprocessing, gloo over a FileStore in a temporary
@@ -316,12 +316,17 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
         budget = cfg["budget"]
         budget = budget / 1e9 if isinstance(budget, (int, float)) else budget
         t0 = time.perf_counter()
-        plan_and_wrap(module, budget, example_inputs=(example_in.clone(),), schedule=schedule)
+        from remat.planner import PlanOptions
+        one = targets[:MB]                # one micro-batch's loss, as the schedule computes it
+        plan_and_wrap(module, budget, example_inputs=(example_in.clone(),), schedule=schedule,
+                      loss_fn=(lambda out: loss_fn(out, one)) if last else None,
+                      options=PlanOptions(pipeline_outputs=cfg["return_outputs"]))
         res["plan_seconds"] = time.perf_counter() - t0
         plan = module.remat.plan
         res["predicted_peak_bytes"] = plan.predicted_peak_bytes
         res["budget_bytes"] = plan.budget_bytes
         res["regions"] = [(r.start, r.end) for r in plan.regions]
+        res["extra_compute"] = plan.extra_compute_pct
 
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
     inputs = [tokens] if first else []

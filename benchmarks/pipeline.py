@@ -1,0 +1,80 @@
+"""Pipeline parallelism (issue 44): remat's per-stage plans against uniform per-block checkpointing.
+
+For each schedule (GPipe, 1F1B) on 2 gloo ranks (a tiny GPT split by blocks, 4 micro-batches:
+benchmarks/pipeline_run.py), the uniform policy every framework applies (every block of every
+stage under torch.utils.checkpoint) sets the budget: its largest per-rank peak. remat then plans
+each stage for that same per-rank budget (`plan_and_wrap(stage_module, budget, schedule=...)`):
+a stage that fits without checkpointing gets no region. Per rank: the measured peak of the whole
+`schedule.step` (live storages at the dispatcher), remat's prediction, the plan's estimated extra
+compute (recomputed forward time over the stage's forward), and seconds per step (median of the
+steps after the first). Timings are this machine's (2 shared cores): a ratio in one run.
+
+    python benchmarks/pipeline.py [--steps 6] [--out benchmarks/results/pipeline.md]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.pipeline_run import run
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _median(seconds: list[float]) -> float:
+    return statistics.median(seconds[1:] or seconds)
+
+
+def compare(schedule: str, steps: int) -> list[dict]:
+    """One row per rank: the per-block policy and remat at the per-block policy's largest peak."""
+    uniform = run(schedule, checkpoint_blocks=True, steps=steps)
+    unplanned = run(schedule, steps=steps)
+    budget = max(max(r["peaks"]) for r in uniform)
+    planned = run(schedule, plan=True, budget=budget, steps=steps)
+    rows = []
+    for u, n, p in zip(uniform, unplanned, planned):
+        rows.append(dict(schedule=schedule, rank=p["rank"], budget=budget, unplanned=max(n["peaks"]),
+                         uniform=max(u["peaks"]), measured=max(p["peaks"]), predicted=p["predicted_peak_bytes"],
+                         regions=len(p["regions"]), extra=p.get("extra_compute"),
+                         s_unplanned=_median(n["seconds"]), s_uniform=_median(u["seconds"]),
+                         s_remat=_median(p["seconds"]), plan_s=p["plan_seconds"]))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| schedule | rank | budget B | unplanned B | per-block B | remat measured B | remat predicted B | "
+            "regions | remat extra compute | s/step unplanned | per-block | remat | plan s |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        extra = "-" if r["extra"] is None else f"{r['extra']:.1f}%"
+        out.append(f"| {r['schedule']} | {r['rank']} | {r['budget']} | {r['unplanned']} | {r['uniform']} | "
+                   f"{r['measured']} | {r['predicted']} | {r['regions']} | {extra} | {r['s_unplanned']:.3f} | "
+                   f"{r['s_uniform']:.3f} | {r['s_remat']:.3f} | {r['plan_s']:.1f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None, help="write the results markdown here")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = [r for s in SCHEDULES for r in compare(s, a.steps)]
+    text = (f"# Pipeline parallelism: remat per stage against per-block checkpointing\n\n"
+            f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
+            f"stage), 4 micro-batches of 2x32 tokens; budget: the per-block policy's largest per-rank peak. "
+            f"`python benchmarks/pipeline.py --steps {a.steps}` ({time.perf_counter() - t0:.0f} s).\n\n"
+            + table(rows) + "\n")
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
