@@ -83,6 +83,9 @@ DRAWN_FAILURES = {
     40132: "memory/over-budget 4%: an opaque block inside a region unpacks its input once a grad of its own exists "
            "(`-h`); its stand-in unpacked (and the region recomputed) before any",
     20158: "memory/under-predicted 6% (as 20236)",
+    40274: "memory/over-predicted 14%: the replay's meter let the fake copy of a real tensor it read (a loss target) "
+           "go, so the fake mode made another for the op (the target's chunks), counted as new memory",
+    40667: "memory/over-predicted 13% (as 40274)",
     40501: "memory/over-predicted 5%: an opaque block's output grad held through its backward in the measurement "
            "(`_Seeds`) where the step does not share it: its residual sum made a new tensor, not an in-place add",
     20236: "memory/under-predicted 5%: the user's reentrant checkpoint under autocast around backward recomputes "

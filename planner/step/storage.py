@@ -135,6 +135,7 @@ class LiveBytes(TorchDispatchMode):
             self._read_sizes[storage_of(t)] = 0
         self.live_bytes = 0
         self.read_bytes = 0        # storages read but made before the step (see class doc)
+        self._twins: list[torch.Tensor] = []     # the fake copies of those (`read`), kept
         self._peak = 0
         self._on_alloc = on_alloc
         for t in baseline:
@@ -176,6 +177,9 @@ class LiveBytes(TorchDispatchMode):
         twin = fake_twin(t)
         if twin is not None:            # the fake copy the fake mode will compute on: not new memory
             self._read_sizes[storage_of(twin)] = 0
+            # held, so that the fake mode's memo gives the op this copy: dropped, the op made another
+            # on a storage of its own, counted as new (fuzz seed 40274: a loss target's chunks, twice)
+            self._twins.append(twin)
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
