@@ -8,6 +8,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import warnings
 from dataclasses import asdict, replace
 
 import pytest
@@ -380,6 +381,12 @@ def _exact_reference(cg: CostGraph, budget: int, ours, margin: float, golden: di
         assert fits(cg, regions, budget, margin), "the golden exact plan no longer fits: regenerate it"
         assert timeline(cg, regions).recompute_s == pytest.approx(row["exact_s"], rel=1e-12)
         return row
+    if os.environ.get("REMAT_WRITE_GOLDEN") != "1":
+        # not an error (the optimum is solved here instead), but each miss costs the run 35-70 s:
+        # a changed graph (a new CostGraph field, another profile) makes the golden stale
+        warnings.warn(f"{GOLDEN.name} holds no proven optimum for this graph at {budget} B: solving the exact ILP "
+                      "here (minutes); regenerate it with REMAT_WRITE_GOLDEN=1 pytest tests/test_hierarchy.py "
+                      "-k gpt2_3", stacklevel=2)
     row = exact_row(cg, budget, ours, margin)
     if os.environ.get("REMAT_WRITE_GOLDEN") == "1" and row["status"] == "optimal":
         if golden.get("graph") != _digest(cg):
