@@ -373,6 +373,7 @@ def test_the_whole_step_with_the_optimizer_fits_and_is_predicted(accumulation, v
     assert measured <= w.remat.plan.predicted_peak_bytes <= 1.05 * measured
 
 
+@pytest.mark.slow      # 6 plans; the quick lane holds NOTE [ floor if needed ] in the next test
 def test_the_floor_is_searched_only_when_the_budget_is_not_met(monkeypatch):
     """plan_and_wrap searches the smallest feasible budget only when it is needed (planner/solve/fit.py
     NOTE [ floor if needed ]): a plan that fits has none; a budget below the floor is refused with

@@ -353,7 +353,9 @@ def _on_meta(x):
     return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
 
 
-@pytest.mark.parametrize("name", ["gpt2", "hf-llama", pytest.param("hf-moe", marks=pytest.mark.slow)])
+# the quick lane replays the built-in GPT-2 on meta; the Hugging Face models (a capture each: 4-6 s) are slow
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("hf-llama", marks=pytest.mark.slow),
+                                  pytest.param("hf-moe", marks=pytest.mark.slow)])
 def test_a_step_all_on_meta_is_replayed_without_fake_tensors_to_the_byte(name, monkeypatch):
     """NOTE [ meta step ]: a model and inputs all on meta are replayed on meta copies, with no
     FakeTensorMode (it cannot be made here), to the same peak as under FakeTensorMode for every

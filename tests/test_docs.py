@@ -111,6 +111,7 @@ _PYTHON_EXAMPLE = re.compile(r"^<!-- remat-python-example -->\n```python\n(?P<co
                              r"[^\n]*\n```text\n(?P<prints>.*?)^```", re.M | re.S)
 
 
+@pytest.mark.slow            # a fresh process planning GPT-2 (6 s); the quick lane plans small models in process
 def test_the_readme_python_example_runs_as_written(tmp_path):
     """The README's complete example (under `<!-- remat-python-example -->`), run as a user runs it:
     a fresh process in an empty folder, with the package as installed (`pip install -e .`), no plan
