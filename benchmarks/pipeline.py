@@ -14,13 +14,15 @@ steps after the first). Timings are this machine's (2 shared cores): a ratio in 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.pipeline_run import run
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.pipeline_run import run  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -311,6 +311,7 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
 
     res = {"rank": rank, "schedule": cfg["schedule"], "predicted_peak_bytes": None, "regions": None,
            "budget_bytes": None, "plan_seconds": None}
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
     if cfg["plan"]:
         from remat.runtime import plan_and_wrap
         budget = cfg["budget"]
@@ -319,7 +320,7 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
         from remat.planner import PlanOptions
         one = targets[:MB]                # one micro-batch's loss, as the schedule computes it
         plan_and_wrap(module, budget, example_inputs=(example_in.clone(),), schedule=schedule,
-                      loss_fn=(lambda out: loss_fn(out, one)) if last else None,
+                      loss_fn=(lambda out: loss_fn(out, one)) if last else None, optimizer=opt,
                       options=PlanOptions(pipeline_outputs=cfg["return_outputs"]))
         res["plan_seconds"] = time.perf_counter() - t0
         plan = module.remat.plan
@@ -328,7 +329,6 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
         res["regions"] = [(r.start, r.end) for r in plan.regions]
         res["extra_compute"] = plan.extra_compute_pct
 
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
     inputs = [tokens] if first else []
     inputs += [targets] if last else []
     res.update(peaks=[], live_before=[], seconds=[], losses=[], trace=[])
