@@ -60,3 +60,19 @@ def test_a_schedules_micro_batches_in_flight():
                                 4, True, False)
     last = PipelineRank(tuple(a for m in range(4) for a in (("F", m), ("B", m))), 4, False, True)
     assert (gpipe0.in_flight(), one_f_one_b0.in_flight(), last.in_flight()) == (4, 2, 1)
+
+
+def test_the_docs_table_is_the_benchmarks_current_file():
+    """docs/pipeline.md's table is benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
+    every row's bytes and extra compute are the results file's, row for row."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "pipeline.md").read_text()
+    results = (root / "benchmarks" / "results" / "pipeline.md").read_text()
+    rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
+        r"^\| (\w+) \| (\d) \| \d+ \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%)", results, re.M)}
+    shown = re.findall(r"^\| (GPipe|1F1B) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+%) \|$", docs, re.M)
+    assert len(shown) == len(rows) == 4
+    for sched, rank, *numbers in shown:
+        assert tuple(n.replace(",", "") for n in numbers) == rows[sched.lower(), rank], (sched, rank)
