@@ -86,6 +86,7 @@ DRAWN_FAILURES = {
     40274: "memory/over-predicted 14%: the replay's meter let the fake copy of a real tensor it read (a loss target) "
            "go, so the fake mode made another for the op (the target's chunks), counted as new memory",
     40667: "memory/over-predicted 13% (as 40274)",
+    20900: "memory/over-predicted 5% (as 40274: the target's chunks, no checkpoint)",
     40501: "memory/over-predicted 5%: an opaque block's output grad held through its backward in the measurement "
            "(`_Seeds`) where the step does not share it: its residual sum made a new tensor, not an in-place add",
     20236: "memory/under-predicted 5%: the user's reentrant checkpoint under autocast around backward recomputes "
