@@ -64,10 +64,12 @@ class CostGraph:
     # physics-informed loss, a gradient penalty): regions recompute once per backward, and a SAC
     # region cannot (torch allows one backward through it), so no region keeps anything
     loss_differentiates: bool = False
-    # other micro-batches whose saved tensors (and outputs) are live throughout the step planned: a
-    # pipeline rank's most micro-batches in flight, less one (runtime/distributed/pipeline.py); the
-    # peak grows by that many times what the plan keeps (simulate.retained_bytes)
-    inflight: int = 0
+    # a pipeline rank (runtime/distributed/pipeline.py): the most *other* micro-batches in flight
+    # (forwarded, not yet backwarded) during (a forward before any backward, a forward after one,
+    # the first backward, a later backward), -1 where the schedule has none; each holds what the
+    # plan keeps of it (simulate.retained_bytes), and after the first backward every parameter
+    # gradient exists (NOTE [ liveness ]). (): one step
+    inflight: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = len(self.nodes)
@@ -134,7 +136,7 @@ class CostGraph:
             sac_op_s=d.get("sac_op_s", 0.0),
             optimizer_step_bytes=d.get("optimizer_step_bytes"),
             loss_differentiates=d.get("loss_differentiates", False),
-            inflight=d.get("inflight", 0),
+            inflight=tuple(d.get("inflight", ())),
         )
 
 

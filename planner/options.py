@@ -101,6 +101,24 @@ class PipelineRank:
             most = max(most, live)
         return most
 
+    def others_in_flight(self) -> tuple[int, int, int, int]:
+        """The most *other* micro-batches in flight during a forward before any backward, a forward
+        after one, the first backward, a later backward; -1 where there is no such action
+        (CostGraph.inflight)."""
+        most = [-1, -1, -1, -1]
+        live, backwards = 0, 0
+        for kind, _ in self.actions:
+            if kind == "F":
+                k = 0 if backwards == 0 else 1
+                most[k] = max(most[k], live)
+                live += 1
+            else:
+                k = 2 if backwards == 0 else 3
+                live -= 1
+                most[k] = max(most[k], live)
+                backwards += 1
+        return tuple(most)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:

@@ -310,8 +310,8 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     budget = _one_budget(budget_gb, budget)
     _not_compiled(model)
     if schedule is not None:    # a pipeline stage (runtime/distributed/pipeline.py)
-        options, example_inputs, example_kwargs = pipeline_stage(model, schedule, options, example_inputs,
-                                                                 example_kwargs, compile)
+        options, example_inputs, example_kwargs, loss_fn = pipeline_stage(model, schedule, options, example_inputs,
+                                                                          example_kwargs, compile, loss_fn)
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed/)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
@@ -335,8 +335,10 @@ def _one_budget(budget_gb, budget) -> Budget:
 
 
 def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, example_inputs, example_kwargs,
-                   compile) -> tuple[PlanOptions, tuple, dict]:
-    """The options and example inputs of a pipeline stage's plan (runtime/distributed/pipeline.py)."""
+                   compile, loss_fn) -> tuple[PlanOptions, tuple, dict, Callable | None]:
+    """The options, example inputs and loss of a pipeline stage's plan (runtime/distributed/pipeline.py):
+    its output is held from its forward to its backward (`keep_output`); a stage before the last
+    has no loss of its own, its backward starts from the gradient it receives."""
     if example_inputs is None and example_kwargs is None:
         raise ValueError("a pipeline stage is planned up front: pass example_inputs (one micro-batch's inputs "
                          "of this stage)")
@@ -345,7 +347,8 @@ def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, examp
                                              "without compile= and before fully_shard/DDP")
     rank = replace(pipeline.rank_of(schedule, model), keeps_outputs=options.pipeline_outputs)
     args, kwargs = pipeline.stage_inputs(tuple(example_inputs or ()), dict(example_kwargs or {}), rank)
-    return replace(options, pipeline=rank), args, kwargs
+    return (replace(options, pipeline=rank, keep_output=True), args, kwargs,
+            loss_fn if rank.last else pipeline.received_grad_loss)
 
 
 def _not_compiled(model: torch.nn.Module) -> None:

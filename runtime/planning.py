@@ -30,7 +30,7 @@ from remat.planner.capture.trace import Traced, cache_off, capture
 from . import plan_cache
 from .book import Entry, PlanBook
 from .budget import StepBudget
-from .distributed.pipeline import rank_peak
+from .distributed.pipeline import rank_graph, rank_peak
 from .measure import dry_run_peak
 from .rewrite import REGION_PROBE, CompiledReplay, plan_modules, rewrite, rewrite_plan
 from .signature import call_key
@@ -182,7 +182,7 @@ def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs
     except TraceError as e:             # no graph at all: plan over the module tree
         return _over_module_tree(s, budget, book, args, kwargs, e)
     if s.options.pipeline is not None:      # the other micro-batches in flight (runtime/distributed/pipeline.py)
-        a = replace(a, cost_graph=replace(a.cost_graph, inflight=s.options.pipeline.in_flight() - 1))
+        a = replace(a, cost_graph=rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs))
     measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
     # '%' of the step without checkpointing: a pipeline rank's is its whole schedule.step, replayed
     budget_bytes = budget.resolve(measure(()) if s.options.pipeline else unplanned_peak_bytes(a.cost_graph, s.options))

@@ -1,8 +1,9 @@
 """A pipeline rank's memory model (issue 44): other micro-batches in flight hold what one keeps.
 
-`CostGraph.inflight` = m adds m times what a micro-batch retains from its forward to its backward
-(simulate.retained_bytes) to every node; the simulator, the ILP ([Pipeline] in NOTE [ ILP ]) and the
-local search's judge must agree to the byte, and the ILP must stay the exact optimum (brute force)."""
+`CostGraph.inflight` adds what the other micro-batches in flight retain (simulate.retained_bytes),
+and after the first backward every parameter grad, to every node (simulate.pipeline_adds); the
+simulator, the ILP ([Pipeline] in NOTE [ ILP ]) and the local search's judge must agree to the
+byte, and the ILP must stay the exact optimum (brute force)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -25,24 +26,32 @@ def _retained(cg, regions) -> int:
     return retained_bytes(cg, keep_release(cg, regions, where, tops))
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_inflight_micro_batches_add_what_a_plan_keeps_in_every_model(seed):
+GPIPE_FIRST = (3, -1, 3, 2)      # 4 micro-batches under GPipe: (forwards, forwards after a backward, B0, later)
+
+
+@pytest.mark.parametrize("seed,inflight", [(0, GPIPE_FIRST), (1, (1, 1, 1, 1)), (2, (0, 0, 0, 0))])
+def test_inflight_micro_batches_add_what_a_plan_keeps_in_every_model(seed, inflight):
     one = random_graph(200 + seed, n=9)
-    cg = replace(one, inflight=3)
+    cg = replace(one, inflight=inflight)
+    a, b, c, d = inflight
+    grads = [sum(n.param_grad_bytes for n in one.nodes[:t]) for t in range(len(one.nodes))]
+    total = sum(n.param_grad_bytes for n in one.nodes)
     cands = candidates(cg, EVERY)
     judge = Judge(cg)
-    by_region = {c.region: c for c in cands}
+    by_region = {c_.region: c_ for c_ in cands}
     for regions, ilp_bytes in ilp_peaks_of_random_plans(cg, cands, seed=seed, p=0.4, rounds=8):
         tl, single = timeline(cg, regions), timeline(one, regions)
-        held = 3 * _retained(one, regions)
-        assert max(tl.fwd) == max(single.fwd) + held and max(tl.bwd) == max(single.bwd) + held
+        r = _retained(one, regions)
+        fwd_add = max(a * r, total + b * r if b >= 0 else 0)
+        assert tl.fwd == tuple(f + fwd_add for f in single.fwd)
+        assert tl.bwd == tuple(x + max(c * r, g + d * r) for x, g in zip(single.bwd, grads))
         assert ilp_bytes == pytest.approx(tl.peak_bytes, abs=1)
-        assert judge.peak([by_region[r] for r in regions]) == tl.peak_bytes
+        assert judge.peak([by_region[x] for x in regions]) == tl.peak_bytes
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_ilp_is_the_exact_optimum_with_micro_batches_in_flight(seed):
-    cg = replace(random_graph(seed), inflight=2)
+    cg = replace(random_graph(seed), inflight=GPIPE_FIRST if seed else (1, 1, 1, 1))
     plans = [(timeline(cg, p), p) for p in every_plan(cg)]
     peaks = sorted({tl.peak_bytes for tl, _ in plans})
     cands = candidates(cg, EVERY)
@@ -60,6 +69,12 @@ def test_a_schedules_micro_batches_in_flight():
                                 4, True, False)
     last = PipelineRank(tuple(a for m in range(4) for a in (("F", m), ("B", m))), 4, False, True)
     assert (gpipe0.in_flight(), one_f_one_b0.in_flight(), last.in_flight()) == (4, 2, 1)
+    assert gpipe0.others_in_flight() == GPIPE_FIRST
+    assert one_f_one_b0.others_in_flight() == (1, 1, 1, 1)
+    assert last.others_in_flight() == (0, 0, 0, 0)
+    assert PipelineRank.one_stage("gpipe", 0, 2, 4).actions == gpipe0.actions
+    assert PipelineRank.one_stage("1f1b", 0, 2, 4).actions == one_f_one_b0.actions
+    assert PipelineRank.one_stage("1f1b", 1, 2, 4).actions == last.actions
 
 
 def test_the_docs_table_is_the_benchmarks_current_file():

@@ -22,8 +22,9 @@ reason at q; z at its last point says s is kept at all.
 at its start <= h): valid at integer points, and it tightens the LP relaxation a lot.
 [Forward] at node t:  Base^f_t + J_t <= B,   Base^f_t = F + e_t + sum_{p_s < t <= last(s)} b_s (+ outputs),
                      J_t = sum_{last(s) < t} b_s k_s            (kept: live to the end of forward)
-[Pipeline] a pipeline rank (CostGraph.inflight = m) adds m R to every forward and backward line, R
-= J at the end of forward + the outputs: what each other micro-batch in flight holds.
+[Pipeline] a pipeline rank (CostGraph.inflight) adds simulate.pipeline_adds to the lines: each
+forward line twice (a R; G + b R) and each backward line twice (c R; G - G_param(t) + d R), with
+R = J at the end of forward + the outputs (what each other micro-batch in flight holds).
 [Optimizer] F + all parameter grads + outputs + the optimizer step's temporaries <= B (a
 constant: the same under every plan; present when the step planned ends with optimizer.step()).
 [Backward] at node t: Base^b_t + K_t + sum_{X contains t} x_X w_X(t) <= B,
@@ -56,7 +57,7 @@ from remat.planner.solve.improve import Search, evals, improve, search
 from remat.planner.solve.nogc import paused
 from remat.planner.options import SolveOptions
 from remat.planner.result import Region
-from remat.planner.solve.simulate import base_liveness, last_reader, timeline
+from remat.planner.solve.simulate import base_liveness, grads_before, last_reader, timeline
 
 US = 1e6     # the objective is in microseconds: CBC's tolerances suit numbers of that size
 MB = 1e-6    # bytes -> MB: keeps CBC's numerics sane
@@ -245,7 +246,7 @@ def budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, lines
         _at_most(prob, base.opt * MB, B)
     work_max = [max((cands[j].work[t - cands[j].region.start] for j in covering[t]), default=0) * MB
                 for t in range(n)]
-    held, held_max = _held(prob, cg, lines)
+    fwd_held, bwd_held = _held(prob, cg, lines)
     fc = bc = fm = bm = 0.0
     Jv = Kv = 0
     for t in range(n):
@@ -260,26 +261,35 @@ def budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, lines
             prob += K == Kv + pulp.lpSum(lines.bwd_d[t])
             Kv = K
         # a constraint that cannot bind even if every reason held is left out
-        if not fixed_budget or base.fwd[t] * MB + fm + held_max > B:
-            _at_most(prob, base.fwd[t] * MB + fc + Jv + held, B)
-        if not fixed_budget or base.bwd[t] * MB + bm + work_max[t] + held_max > B:
-            work = lin([(x[j], cands[j].work[t - cands[j].region.start] * MB) for j in covering[t]],
-                        base.bwd[t] * MB + bc)
-            _at_most(prob, work + Kv + held if covering[t] or not isinstance(Kv, int) or held
-                     else work.constant, B)
+        for held, most in fwd_held:
+            if not fixed_budget or base.fwd[t] * MB + fm + most > B:
+                _at_most(prob, base.fwd[t] * MB + fc + Jv + held, B)
+        for held, most in bwd_held(t):
+            if not fixed_budget or base.bwd[t] * MB + bm + work_max[t] + most > B:
+                work = lin([(x[j], cands[j].work[t - cands[j].region.start] * MB) for j in covering[t]],
+                            base.bwd[t] * MB + bc)
+                _at_most(prob, work + Kv + held if covering[t] or not isinstance(Kv, int) or most
+                         else work.constant, B)
 
 
 def _held(prob, cg: CostGraph, lines: Lines):
-    """[Pipeline] What the other micro-batches in flight hold at every node (CostGraph.inflight
-    times simulate.retained_bytes: the storages kept at all, J at the end of forward, and the
-    outputs), as an expression, and its most; (0, 0) for one step."""
+    """[Pipeline] What a pipeline rank adds to the forward lines, and to backward node t's
+    (simulate.pipeline_adds, with R = the storages kept at all (J at the end of forward) and the
+    outputs): (expression, its most) per variant; one (0, 0) each for one step."""
     if not cg.inflight:
-        return 0, 0.0
+        return [(0, 0.0)], lambda t: [(0, 0.0)]
+    a, b, c, d = cg.inflight
     out = sum(s.bytes for s in cg.storages if s.output) * MB
-    kept = pulp.lpSum([term for terms in lines.fwd_d for term in terms]) + sum(lines.fwd_const) + out
     R = variable(prob, "R", 0)
-    prob += R == kept
-    return cg.inflight * R, cg.inflight * (sum(lines.fwd_max) + out)
+    prob += R == pulp.lpSum([term for terms in lines.fwd_d for term in terms]) + sum(lines.fwd_const) + out
+    r_max = sum(lines.fwd_max) + out
+    grads = [g * MB for g in grads_before(cg)]
+    total = grads[-1] + cg.nodes[-1].param_grad_bytes * MB
+
+    def variants(pairs):
+        return [(k * R + const, k * r_max + const) for k, const in pairs if k >= 0]
+    fwd = variants([(a, 0.0), (b, total)])
+    return fwd, lambda t: variants([(c, 0.0), (d, grads[t])])
 
 
 def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> Model:

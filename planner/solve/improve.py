@@ -25,7 +25,7 @@ from typing import NamedTuple
 from remat.planner.solve.candidates import SearchSpace
 from remat.planner.costgraph import CostGraph
 from remat.planner.result import Region
-from remat.planner.solve.simulate import base_liveness, last_reader, timeline
+from remat.planner.solve.simulate import base_liveness, last_reader, pipeline_adds, timeline
 
 _EPS_S = 1e-12       # seconds: a cost change smaller than this is no change
 WORK = 2_000_000     # plans times nodes a local search after a solve scores, at most ...
@@ -49,7 +49,7 @@ class Judge:
         base = base_liveness(cg)
         self.fwd, self.bwd, self.opt = base.fwd, base.bwd, base.opt
         self.bytes: dict[int, int] = {}
-        self.inflight = cg.inflight         # a pipeline rank: simulate.retained_bytes once per other micro-batch
+        self.cg = cg                        # a pipeline rank's (cg.inflight): simulate.pipeline_adds
         self.outputs = sum(s.bytes for s in cg.storages if s.output)
         self.last: dict[int, int] = {}
         self.held: list[tuple[int, tuple[int, ...]]] = []
@@ -91,8 +91,11 @@ class Judge:
         # the optimizer's step: the same under every plan (running sums in C: the search's inner loop)
         fwd = max(map(add, self.fwd[:n], accumulate(fd[:n])))
         bwd = max(map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work))
-        held = self.inflight * (self.outputs + sum(self.bytes[sid] for sid in rel)) if self.inflight else 0
-        return max(self.opt, fwd + held, bwd + held)
+        if not self.cg.inflight:
+            return max(self.opt, fwd, bwd)
+        fwd_add, bwd_add = pipeline_adds(self.cg, self.outputs + sum(self.bytes[sid] for sid in rel))
+        bwd = max(map(add, map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work), bwd_add))
+        return max(self.opt, fwd + fwd_add, bwd)
 
 
 class Search(NamedTuple):

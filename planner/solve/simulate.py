@@ -25,9 +25,12 @@ Backward, at node t: live(t) = F + G_param(t) + G_act(t) + K(t) + W(t) + bwd_ext
                parameters of the units in flight, gradients before their reduce-scatter;
                planner/distributed.py); forward adds `fwd_held_bytes` the same way. Unlike
                bwd_extra_t, H_t is live while t's region recomputes (it is in the `outside` below).
-A pipeline rank (`CostGraph.inflight` = m other micro-batches in flight) adds m times what one
-micro-batch retains from its forward to its backward (its kept storages and outputs) to every
-node of both passes, the optimizer's step aside (runtime/distributed/pipeline.py).
+A pipeline rank (`CostGraph.inflight` = (a, b, c, d): the most other micro-batches in flight in a
+forward before any backward, a forward after one, the first backward, a later backward) adds, with
+R what one micro-batch retains from its forward to its backward (its kept storages and outputs,
+`retained_bytes`) and G all parameter grads: forward max(a R, G + b R); backward at t
+max(c R, G - G_param(t) + d R) (after the first backward every parameter grad exists), each term
+only where the schedule has such an action; the optimizer's step aside (`pipeline_adds`).
 After backward, when the step planned has one, the optimizer steps: live are F (its state among
 them), every parameter grad, the kept outputs and the step's measured temporaries.
 At top(R), the recomputation itself runs, when top(R)'s backward starts: its peak is what is live
@@ -196,9 +199,10 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     fwd = tuple(base.fwd[t] + fwd_kept[t] for t in range(n))
     bwd = [base.bwd[t] + bwd_kept[t] for t in range(n)]
     flops, secs = 0, 0.0
-    held = cg.inflight * retained_bytes(cg, rel)          # the other micro-batches in flight
-    fwd = tuple(f + held for f in fwd)
-    bwd = [b + held for b in bwd]
+    if cg.inflight:                                       # the other micro-batches in flight
+        fwd_add, bwd_add = pipeline_adds(cg, retained_bytes(cg, rel))
+        fwd = tuple(f + fwd_add for f in fwd)
+        bwd = [b + a for b, a in zip(bwd, bwd_add)]
     for r, rc in zip(regions, recomputes):
         for t in range(r.start, r.end + 1):
             bwd[t] += rc.work[t - r.start]
@@ -214,6 +218,22 @@ def retained_bytes(cg: CostGraph, rel: list[int | None]) -> int:
     keeps (`keep_release`'s not None) and its outputs. A pipeline rank holds it once per other
     micro-batch in flight (`CostGraph.inflight`) throughout the step (NOTE [ liveness ])."""
     return sum(s.bytes for s, r in zip(cg.storages, rel) if r is not None or s.output)
+
+
+def grads_before(cg: CostGraph) -> list[int]:
+    """Per backward node t: the parameter grads made by nodes before t (all, less G_param(t))."""
+    return list(accumulate((c.param_grad_bytes for c in cg.nodes[:-1]), initial=0))
+
+
+def pipeline_adds(cg: CostGraph, retained: int) -> tuple[int, list[int]]:
+    """What a pipeline rank adds to a forward node, and to each backward node (NOTE [ liveness ]),
+    when one micro-batch retains `retained` bytes."""
+    a, b, c, d = cg.inflight
+    grads = grads_before(cg)
+    total = grads[-1] + cg.nodes[-1].param_grad_bytes
+    fwd = max(a * retained if a >= 0 else 0, total + b * retained if b >= 0 else 0)
+    bwd = [max(c * retained if c >= 0 else 0, g + d * retained if d >= 0 else 0) for g in grads]
+    return fwd, bwd
 
 
 def made_in_backward(cg: CostGraph) -> list[int]:

@@ -34,6 +34,7 @@ backward into input and weight parts (zero bubble, DualPipeV) and ranks holding 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -86,6 +87,25 @@ def stage_inputs(args: tuple, kwargs: dict, rank: PipelineRank) -> tuple[tuple, 
             return x.detach().requires_grad_(True)
         return x
     return tree_map(received, args), tree_map(received, kwargs)
+
+
+def rank_graph(cg, rank: PipelineRank, inputs) -> object:
+    """The stage's cost graph as its rank's step (NOTE [ a rank's step ]): the other micro-batches
+    in flight (`CostGraph.inflight`), and in the fixed bytes their inputs (the batch's chunks, or
+    a later stage's receive buffers) and, before the last stage, a gradient buffer per micro-batch
+    the size of the stage's outputs (the graph's outputs: the stage keeps them, `keep_output`)."""
+    n = rank.n_microbatches
+    inputs_bytes = sum(t.untyped_storage().nbytes() for t in tensors(inputs))
+    outputs_bytes = sum(s.bytes for s in cg.storages if s.output)
+    extra = (n - 1) * inputs_bytes + (0 if rank.last else n * outputs_bytes)
+    return replace(cg, inflight=rank.others_in_flight(), fixed_bytes=cg.fixed_bytes + extra)
+
+
+def received_grad_loss(out) -> torch.Tensor:
+    """The loss a stage before the last is planned with: its backward starts from a gradient the
+    size of its output (the one it receives; here its output, detached: no new memory), and the
+    loss holds the output until then, as the schedule's `fwd_cache` does."""
+    return sum((t * t.detach()).sum() for t in tensors(out) if t.requires_grad and t.is_floating_point())
 
 
 def _copy(x):
