@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from remat.runtime.distributed.pipeline_job import DecoderStage, split_layers
 import torch.nn.functional as F
 
 VOCAB, D, HEADS, SEQ, MB = 128, 64, 4, 32, 2      # MB: rows per micro-batch
@@ -95,17 +97,6 @@ class GPTStage(nn.Module):
         return x
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Layer indices per stage, as even as can be (earlier stages take the extra ones)."""
-    q, r = divmod(n_layers, n_stages)
-    out, lo = [], 0
-    for s in range(n_stages):
-        hi = lo + q + (s < r)
-        out.append(range(lo, hi))
-        lo = hi
-    return out
-
-
 def gpt_stages(n_stages: int, layers_per_stage: int = 2, seed: int = SEED) -> list[nn.Module]:
     """The GPT (n_stages * layers_per_stage blocks), made whole from `seed` and split into stages."""
     torch.manual_seed(seed)
@@ -132,36 +123,9 @@ def llama_model(n_layers: int, seed: int = SEED):
     return LlamaForCausalLM(cfg).train()
 
 
-class LlamaStage(nn.Module):
-    """Decoder layers [lo, hi) of a LlamaForCausalLM; the first stage also embeds, the last also
-    normalizes and applies lm_head. The rotary embedding (no parameters) is computed on each stage
-    from the positions; the causal mask is SDPA's own (no padding: `attention_mask=None`)."""
-
-    def __init__(self, model, idx: range, first: bool, last: bool):
-        super().__init__()
-        inner = model.model
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[i] for i in idx)
-        self.rotary_emb = inner.rotary_emb
-        self.norm = inner.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x):
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(x)
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        pe = self.rotary_emb(x, pos)
-        for layer in self.layers:
-            out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
-            x = out[0] if isinstance(out, tuple) else out
-        if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
-        return x
-
-
 def llama_stages(n_stages: int, layers_per_stage: int = 2, seed: int = SEED) -> list[nn.Module]:
     model = llama_model(n_stages * layers_per_stage, seed)
-    return [LlamaStage(model, idx, s == 0, s == n_stages - 1)
+    return [DecoderStage(model, idx, s == 0, s == n_stages - 1)
             for s, idx in enumerate(split_layers(n_stages * layers_per_stage, n_stages))]
 
 

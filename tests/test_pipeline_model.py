@@ -86,8 +86,41 @@ def test_the_docs_table_is_the_benchmarks_current_file():
     docs = (root / "docs" / "pipeline.md").read_text()
     results = (root / "benchmarks" / "results" / "pipeline.md").read_text()
     rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
-        r"^\| (\w+) \| (\d) \| \d+ \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%)", results, re.M)}
-    shown = re.findall(r"^\| (GPipe|1F1B) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+%) \|$", docs, re.M)
+        r"^\| (\w+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
+        results, re.M)}
+    shown = re.findall(r"^\| (GPipe|1F1B) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+%) \| "
+                       r"([\d.]+%) \|$", docs, re.M)
     assert len(shown) == len(rows) == 4
     for sched, rank, *numbers in shown:
         assert tuple(n.replace(",", "") for n in numbers) == rows[sched.lower(), rank], (sched, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_a_whole_pipeline_job_is_planned_from_one_process(tmp_path):
+    """`remat report --hf-config ... --pipeline 4` (runtime/distributed/pipeline_job.py): a Llama on
+    meta in 4 stages under 1F1B, at the uniform policy's largest per-rank peak (no --budget: the
+    CLI requires one, the library does not): every stage fits, recomputes no more than every block
+    checkpointed on it, and a stage with fewer micro-batches in flight recomputes no more."""
+    pytest.importorskip("transformers")
+    import json
+
+    from remat.runtime.cli.main import main
+    from remat.runtime.cli.session import hf_config_model
+    from remat.runtime.distributed.pipeline_job import plan_job
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+                               "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 8,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
+                               "tie_word_embeddings": False}))
+    model = hf_config_model(str(cfg), 1, 128, "bf16").model
+    rows, budget, _ = plan_job(model, 4, "1f1b", 8, 1, 128)
+    assert [r.in_flight for r in rows] == [4, 3, 2, 1] and [r.layers for r in rows] == [2, 2, 2, 2]
+    assert max(r.uniform_bytes for r in rows) == budget
+    for r in rows:
+        assert r.planned_bytes is not None and r.planned_bytes <= budget
+        assert r.planned_extra_pct <= r.uniform_extra_pct + 1e-9
+    middle = [r.planned_extra_pct for r in rows[1:-1]]
+    assert middle == sorted(middle, reverse=True)
+    assert main(["report", "--hf-config", str(cfg), "--pipeline", "4", "--microbatches", "8", "--batch", "1",
+                 "--seq", "128", "--budget", "60%", "--quiet"]) == 0

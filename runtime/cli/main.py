@@ -38,6 +38,7 @@ with warnings.catch_warnings():
 
     from . import plots
     from ..distributed import per_rank_analysis
+    from ..distributed.pipeline_job import job_table, plan_job
     from .report import report_text, segments, table
     from remat.planner.solve.fit import unplanned_peak_bytes
 
@@ -154,7 +155,30 @@ def _solve(a, say):
         return None
 
 
+def cmd_pipeline(a, say) -> int:
+    """report --pipeline N: every stage of a Hugging Face causal LM (--hf-config, on meta) planned for
+    its rank of an N-stage pipeline (runtime/distributed/pipeline_job.py), beside every block
+    checkpointed on every stage; the budget is per rank ('%': of the largest rank's step)."""
+    if not a.hf_config or a.fsdp or a.ddp or a.compile or a.time or a.optimizer:
+        raise UsageError("--pipeline plans a Hugging Face causal LM's stages from --hf-config (no --fsdp, --ddp, "
+                         "--compile, --time or --optimizer)")
+    loaded = _load(a)
+    say(f"planning {a.pipeline} stages ({a.schedule}, {a.microbatches} micro-batches) of {loaded.label} ...")
+    with model_code(f"cannot plan the stages of {loaded.label}"):
+        rows, budget_bytes, seconds = plan_job(loaded.model, a.pipeline, a.schedule, a.microbatches, a.batch, a.seq,
+                                               parse_budget(a.budget), _options(a))
+    if a.json:
+        print(_json({"model": loaded.label, "budget_bytes": budget_bytes, "seconds": round(seconds, 1),
+                     "stages": [asdict(r) for r in rows]}))
+    else:
+        print(f"{loaded.label}: {a.pipeline} stages, {a.schedule}, {a.microbatches} micro-batches of {a.batch}\n"
+              f"{job_table(rows, budget_bytes)}\nplanned in {seconds:.1f} s (the simulator's per-rank predictions)")
+    return 0 if all(r.planned_bytes is not None for r in rows) else 1
+
+
 def cmd_report(a, say) -> int:
+    if getattr(a, "pipeline", None):
+        return cmd_pipeline(a, say)
     if a.time and a.compile:
         raise UsageError("--time times the eager step: drop --compile to time the plan")
     solved = _solve(a, say)
@@ -372,6 +396,11 @@ def parser() -> argparse.ArgumentParser:
     report.add_argument("--budget", required=True, help=_BUDGET_HELP)
     report.add_argument("--time", action="store_true", help="also time the planned step against the unplanned "
                         "one on the example inputs: measured and predicted overhead side by side")
+    report.add_argument("--pipeline", type=_positive(int), metavar="N", help="with --hf-config: plan every stage "
+                        "of an N-stage pipeline for its rank (--schedule, --microbatches; --batch: a micro-batch)")
+    report.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="with --pipeline (default 1f1b)")
+    report.add_argument("--microbatches", type=_positive(int), default=8, metavar="M",
+                        help="with --pipeline: micro-batches per step (default 8)")
     check = sub.add_parser("check", help="exit 0 if the model's training step fits the budget, 1 if not")
     check.add_argument("model", nargs="?", help=_MODEL_HELP)
     check.add_argument("--budget", required=True, help=_BUDGET_HELP)
