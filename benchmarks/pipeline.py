@@ -10,6 +10,10 @@ compute (recomputed forward time over the stage's forward), and seconds per step
 steps after the first). Timings are this machine's (2 shared cores): a ratio in one run.
 
     python benchmarks/pipeline.py [--steps 6] [--out benchmarks/results/pipeline.md]
+
+With `--job`, it also plans a whole Llama-3-70B job from this process (8 stages, 1F1B, 16
+micro-batches of 1 x 8192 tokens, bf16, on meta; `remat report --pipeline`'s library call) at the
+uniform policy's largest per-rank peak, and adds its table and planning time.
 """
 from __future__ import annotations
 
@@ -73,10 +77,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+                  tie_word_embeddings=False)
+
+
+def job() -> str:
+    """The 70B job planned from one process: its table as `remat report --pipeline` prints it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from remat.planner import PlanOptions
+    from remat.runtime.distributed.pipeline_job import job_table, plan_job
+    cfg = LlamaConfig(**LLAMA3_70B)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    rows, budget, seconds = plan_job(model, 8, "1f1b", 16, 1, 8192, options=PlanOptions(target_device="cuda"))
+    return (f"\n## A Llama-3-70B job planned from one process\n\n8 stages, 1F1B, 16 micro-batches of 1 x 8192 "
+            f"tokens, bf16, on meta; budget: the per-block policy's largest per-rank peak (estimated extra "
+            f"compute of each stage's forward; the simulator's per-rank predictions). Planned in {seconds:.0f} s "
+            f"on 2 shared cores.\n\n```\n{job_table(rows, budget)}\n```\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=None, help="write the results markdown here")
+    ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = [r for s in SCHEDULES for r in compare(s, a.steps)]
@@ -84,7 +110,7 @@ def main(argv=None) -> int:
             f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
             f"stage), 4 micro-batches of 2x32 tokens; budget: the per-block policy's largest per-rank peak. "
             f"`python benchmarks/pipeline.py --steps {a.steps}` ({time.perf_counter() - t0:.0f} s).\n\n"
-            + table(rows) + "\n")
+            + table(rows) + "\n" + (job() if a.job else ""))
     print(text)
     if a.out:
         with open(a.out, "w") as f:
