@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     text = (f"# Pipeline parallelism: remat per stage against per-block checkpointing\n\n"
             f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
             f"stage), 4 micro-batches of 2x32 tokens; budget: the per-block policy's largest per-rank peak. "
-            f"`python benchmarks/pipeline.py --steps {a.steps}` ({time.perf_counter() - t0:.0f} s).\n\n"
+            f"`python benchmarks/pipeline.py --steps {a.steps}{' --job' if a.job else ''}` "
+            f"({time.perf_counter() - t0:.0f} s).\n\n"
             + table(rows) + "\n" + (job() if a.job else ""))
     print(text)
     if a.out:
