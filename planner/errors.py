@@ -18,26 +18,30 @@ class InfeasibleBudgetError(RematError):
     prediction `source` names (`"the exact replay on fake tensors"`, ...). The message prints it
     in `unit`, rounded up: typed back in as the budget, it fits."""
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, source: str = "", unit: str | None = "GB"):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, source: str = "", unit: str | None = "GB",
+                 asked: str = ""):
         self.budget_bytes = int(budget_bytes)
         """The budget asked for, in bytes."""
         self.min_feasible_bytes = int(min_feasible_bytes)
         """The smallest budget that fits, in bytes."""
         self.source, self.unit = source, unit
+        self.asked = asked
+        """The budget as the user wrote it where that was not a size ('40%'), else ''."""
         floor = size_text(min_feasible_bytes, unit, round_up=True)
+        budget = size_text(budget_bytes, unit)
         super().__init__(
-            f"budget {size_text(budget_bytes, unit)} is below the smallest feasible peak {floor} for this "
-            f"model and input{f' ({source})' if source else ''}; raise the budget to at least {floor}, or "
+            f"budget {f'{asked} ({budget})' if asked else budget} is below the smallest feasible peak {floor} for "
+            f"this model and input{f' ({source})' if source else ''}; raise the budget to at least {floor}, or "
             f"shrink the batch/sequence"
         )
 
     def __reduce__(self):
-        return (type(self), (self.budget_bytes, self.min_feasible_bytes, self.source, self.unit))
+        return (type(self), (self.budget_bytes, self.min_feasible_bytes, self.source, self.unit, self.asked))
 
-    def in_unit(self, unit: str | None) -> "InfeasibleBudgetError":
+    def in_unit(self, unit: str | None, asked: str = "") -> "InfeasibleBudgetError":
         """The same error, its sizes printed in `unit` (the one the user wrote the budget in; None:
-        the decimal unit that suits)."""
-        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.source, unit)
+        the decimal unit that suits), and the budget as written (`asked`: '40%') beside its bytes."""
+        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.source, unit, asked or self.asked)
 
 
 class TraceError(RematError):

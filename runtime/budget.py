@@ -57,8 +57,9 @@ class StepBudget:
         return size_text(n_bytes, self.asked.unit)
 
     def spelled(self, e: InfeasibleBudgetError) -> InfeasibleBudgetError:
-        """`e` with its sizes (budget and smallest feasible, both kept in bytes) in the budget's unit."""
-        return e.in_unit(self.asked.unit)
+        """`e` with its sizes (budget and smallest feasible, both kept in bytes) in the budget's unit,
+        and a '%' budget as written beside its bytes."""
+        return e.in_unit(self.asked.unit, f"{self.asked.value * 100:g}%" if self.asked.kind == "fraction" else "")
 
     @contextlib.contextmanager
     def errors_spelled(self):
