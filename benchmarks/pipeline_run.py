@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from benchmarks.distributed import Block  # the GPT block the FSDP2 benchmark runs too
 from remat.runtime.distributed.pipeline_job import DecoderStage, split_layers
 import torch.nn.functional as F
 
@@ -46,24 +47,6 @@ SEED = 0
 
 
 # ---------------------------------------------------------------- the plain GPT
-
-class Block(nn.Module):
-    """Pre-norm causal attention (scaled_dot_product_attention) and a 4x GELU MLP."""
-
-    def __init__(self, d: int = D, heads: int = HEADS):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
 
 class Checkpointed(nn.Module):
     """`inner` under torch.utils.checkpoint (non-reentrant): the per-block reference."""
@@ -101,7 +84,7 @@ def gpt_stages(n_stages: int, layers_per_stage: int = 2, seed: int = SEED) -> li
     """The GPT (n_stages * layers_per_stage blocks), made whole from `seed` and split into stages."""
     torch.manual_seed(seed)
     emb, pos = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
-    blocks = [Block() for _ in range(n_stages * layers_per_stage)]
+    blocks = [Block(D, HEADS) for _ in range(n_stages * layers_per_stage)]
     ln, head = nn.LayerNorm(D), nn.Linear(D, VOCAB)
     out = []
     for s, idx in enumerate(split_layers(len(blocks), n_stages)):
@@ -351,22 +334,17 @@ def _traced(stage, out: list):
 
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
 
-    def forward_one_chunk(i, *a, **k):
-        events.append(("F", i))
-        try:
-            return fwd(i, *a, **k)
-        finally:
-            events.append(("end F", i))
-
-    def backward_one_chunk(i, *a, **k):
-        events.append(("B", i))
-        try:
-            return bwd(i, *a, **k)
-        finally:
-            events.append(("end B", i))
+    def marked(kind: str, run):
+        def chunk(i, *a, **k):
+            events.append((kind, i))
+            try:
+                return run(i, *a, **k)
+            finally:
+                events.append((f"end {kind}", i))
+        return chunk
 
     peak_mod.StorageMeter = Tracing
-    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.forward_one_chunk, stage.backward_one_chunk = marked("F", fwd), marked("B", bwd)
     try:
         yield
     finally:
