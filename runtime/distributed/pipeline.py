@@ -3,9 +3,10 @@
 `plan_and_wrap(stage_module, budget, example_inputs=(one_microbatch,), schedule=schedule)` reads
 what the rank runs off torch.distributed.pipelining's own schedule (`rank_of`: its forward and
 backward of each micro-batch in the schedule's order) into `PlanOptions.pipeline`, and plans the
-stage module as ever, with one difference: every plan tried is judged by `ScheduleReplay`, which
-runs the rank's whole action order on fake tensors (NOTE [ a rank's step ]) instead of one forward
-and backward. The budget is per rank; '%' is of the rank's step without checkpointing. The plan is
+stage module as ever, with two differences: the solver's memory model holds the other
+micro-batches in flight (`rank_graph`: CostGraph.inflight), and every plan tried is replayed by
+`runtime.planning.ExactReplay` through `rank_peak`: the rank's whole action order on fake tensors
+(NOTE [ a rank's step ]) instead of one forward and backward. The budget is per rank; '%' is of the rank's step without checkpointing. The plan is
 installed in the stage module itself, so the rank's PipelineStage runs it as it is.
 
 NOTE [ a rank's step ]
