@@ -191,8 +191,8 @@ def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: 
     ctx = search(cg, options.solve.sac)
     # Large graphs of repeated blocks: the hierarchical solve (planner/solve/hierarchy.py) stands in for
     # the flat candidates and ILP, here and in _choose; None (any other graph): the flat path.
-    # (a pipeline rank's peak holds other micro-batches' kept storages: the flat ILP models it)
-    hier = None if cg.inflight else hierarchy.for_graph(cg, options.solve, ctx)
+    # (a pipeline rank's too: its chain weighs what the other micro-batches in flight retain)
+    hier = hierarchy.for_graph(cg, options.solve, ctx)
     cands = candidates(cg, options.solve, ctx.space) if hier is None else []
     # Known-feasible plans: the hand-made baselines, and (if asked) the ILP's least-peak plan.
     # They bound the smallest feasible budget and warm-start the ILP.

@@ -32,7 +32,9 @@ plans or none. Most of such a graph is one block again and again, so `Hierarchic
    and a split by ILP starts CBC from the gap's lower point (it keeps less than the level: it is feasible).
 4. *The chain* and 5. *the judge*: one option per segment, picked by a DP over the bytes kept so
    far, replayed by the simulator and corrected, polished by the flat ILP on small graphs
-   (planner/solve/chain.py, NOTE [ chain ]).
+   (planner/solve/chain.py, NOTE [ chain ]). A pipeline rank's segments are scored as one
+   micro-batch's, and its chain weighs what the other micro-batches in flight retain (NOTE
+   [ pipeline chain ]); the judge, the polish and the local search see the rank's own graph.
 
 The structure (blocks, segments) is in planner/solve/blocks.py, a segment alone in planner/solve/segment.py.
 """
@@ -49,7 +51,7 @@ from remat.planner.solve import ilp as _ilp
 from remat.planner.solve.baselines import known_plans
 from remat.planner.solve.blocks import Segment, segments
 from remat.planner.solve.candidates import FULL_PAIRS, candidates
-from remat.planner.solve.chain import chain_dp, chain_min_peak
+from remat.planner.solve.chain import chain_dp, chain_min_peak, least_total, pipeline_dp
 from remat.planner.costgraph import CostGraph
 from remat.planner.solve.front import cheapest, front
 from remat.planner.solve.improve import Search, evals, improve, search
@@ -58,7 +60,7 @@ from remat.planner.solve.nogc import paused
 from remat.planner.options import SolveOptions
 from remat.planner.result import Region
 from remat.planner.solve.segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
-from remat.planner.solve.simulate import base_liveness, timeline
+from remat.planner.solve.simulate import base_liveness, one_microbatch, timeline
 
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
 LOW_PEAK = 2         # at how many of the K found the plan of least peak is solved for, when needed
@@ -242,9 +244,11 @@ class HierarchicalSolver:
         self.cg, self.opts = cg, opts
         self.ctx = ctx or search(cg, opts.sac)
         self.segs = segments(cg)
-        base = base_liveness(cg)
+        # a pipeline rank's segments are scored as one micro-batch's (NOTE [ pipeline chain ])
+        one = self.one = one_microbatch(cg)
+        base = base_liveness(one.cg)
         settled = _settled(cg, self.segs)
-        self.contexts = [Context(cg, s, base, settled[i]) for i, s in enumerate(self.segs)]
+        self.contexts = [Context(one.cg, s, base, settled[i]) for i, s in enumerate(self.segs)]
         self.options: list[list[Option]] = [[] for _ in self.segs]
         self.families: list[_Family] = []
         self.low_done = False
@@ -252,7 +256,7 @@ class HierarchicalSolver:
         for i, s in enumerate(self.segs):
             by.setdefault(s.family, []).append(i)
         # a gap of the front narrower than this share of the step's activation bytes is not searched
-        min_gap = MIN_GAP * (timeline(cg, ()).peak_bytes - cg.fixed_bytes) * _ilp.MB
+        min_gap = MIN_GAP * (timeline(one.cg, ()).peak_bytes - cg.fixed_bytes) * _ilp.MB
         for members in by.values():
             rep = self.contexts[members[len(members) // 2]]      # a middle block: the usual context
             k_none = rep.score(()).kept
@@ -352,13 +356,13 @@ class HierarchicalSolver:
     def _plan(self, budget: int) -> tuple[tuple[Region, ...], int] | None:
         """The chain DP's plan within `budget` (options refined around its choice first, as long as
         `self.refine_left` segment ILPs are left) and the peak the chain predicts for it."""
-        got = chain_dp(self.options, budget)
+        got = self._dp(budget)
         while got is not None and self.refine_left > 0:
             made = self._refine(got[1], self.refine_left)
             if not made:
                 break
             self.refine_left -= made
-            got = chain_dp(self.options, budget)
+            got = self._dp(budget)
         if got is None:
             return None
         regions, peak, kept = [], 0, 0
@@ -366,7 +370,13 @@ class HierarchicalSolver:
             o = opts[oi]
             regions += o.regions
             peak, kept = max(peak, kept + o.peak), kept + o.kept
-        return tuple(regions), peak
+        return tuple(regions), peak + (self.one.per_byte * (kept + self.one.fixed) if self.one.per_byte else 0)
+
+    def _dp(self, budget: int):
+        """The chain DP (NOTE [ chain ]; a pipeline rank's: NOTE [ pipeline chain ])."""
+        if self.one.per_byte:
+            return pipeline_dp(self.options, budget, self.one.per_byte, self.one.fixed)
+        return chain_dp(self.options, budget)
 
     def _label(self) -> str:
         n = sum(s.kind == "block" for s in self.segs)
@@ -482,7 +492,8 @@ class HierarchicalSolver:
         t0 = time.perf_counter()
         self._low_peak_options()
         self.refine_left = REFINE_MIN_PEAK
-        got = self._plan(chain_min_peak(self.options))
+        k, fixed = self.one.per_byte, self.one.fixed
+        got = self._plan(least_total(self.options, k, fixed)[0] if k else chain_min_peak(self.options))
         regions = got[0] if got else ()
         label = self._label() + ": least peak"
         key = lambda r: (timeline(self.cg, r).peak_bytes, timeline(self.cg, r).recompute_s)  # noqa: E731

@@ -53,7 +53,7 @@ runs for each).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -220,9 +220,13 @@ def retained_bytes(cg: CostGraph, rel: list[int | None]) -> int:
     return sum(s.bytes for s, r in zip(cg.storages, rel) if r is not None or s.output)
 
 
-def grads_before(cg: CostGraph) -> list[int]:
-    """Per backward node t: the parameter grads made by nodes before t (all, less G_param(t))."""
-    return list(accumulate((c.param_grad_bytes for c in cg.nodes[:-1]), initial=0))
+def grads_before(cg: CostGraph) -> tuple[int, ...]:
+    """Per backward node t: the parameter grads made by nodes before t (all, less G_param(t));
+    made once per graph (the local search's judge asks at every plan it scores)."""
+    got = cg.memo.get("grads before")
+    if got is None:
+        got = cg.memo["grads before"] = tuple(accumulate((c.param_grad_bytes for c in cg.nodes[:-1]), initial=0))
+    return got
 
 
 def pipeline_adds(cg: CostGraph, retained: int) -> tuple[int, list[int]]:
@@ -234,6 +238,27 @@ def pipeline_adds(cg: CostGraph, retained: int) -> tuple[int, list[int]]:
     fwd = max(a * retained if a >= 0 else 0, total + b * retained if b >= 0 else 0)
     bwd = [max(c * retained if c >= 0 else 0, g + d * retained if d >= 0 else 0) for g in grads]
     return fwd, bwd
+
+
+class OneMicrobatch(NamedTuple):
+    """A pipeline rank's graph as one micro-batch's step (NOTE [ pipeline chain ] in chain.py)."""
+    cg: CostGraph      # inflight (): what the other micro-batches add when they retain nothing, as held bytes
+    per_byte: int      # k: the most those adds grow per byte one micro-batch retains (0: one step)
+    fixed: int         # bytes every micro-batch retains whatever the plan (its outputs)
+
+
+def one_microbatch(cg: CostGraph) -> OneMicrobatch:
+    """`cg` (a pipeline rank's, `CostGraph.inflight`) with `pipeline_adds` at R = 0 in each node's
+    held bytes: for every plan, timeline(cg) <= timeline(one.cg) + k (retained_bytes), equal when
+    the schedule's four counts are equal (1F1B): each add is a max of terms of slope a, b, c or d
+    in R, k the largest. A graph of one step comes back as it is, k = 0."""
+    if not cg.inflight:
+        return OneMicrobatch(cg, 0, 0)
+    fwd0, bwd0 = pipeline_adds(cg, 0)
+    nodes = tuple(replace(c, fwd_held_bytes=c.fwd_held_bytes + fwd0, bwd_held_bytes=c.bwd_held_bytes + b)
+                  for c, b in zip(cg.nodes, bwd0))
+    return OneMicrobatch(replace(cg, nodes=nodes, inflight=()), max(0, *cg.inflight),
+                         sum(s.bytes for s in cg.storages if s.output))
 
 
 def made_in_backward(cg: CostGraph) -> list[int]:
