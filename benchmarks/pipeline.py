@@ -1,15 +1,20 @@
 """Pipeline parallelism (issue 44): remat's per-stage plans against uniform per-block checkpointing.
 
-For each schedule (GPipe, 1F1B) on 2 gloo ranks (a tiny GPT split by blocks, 4 micro-batches:
+For each schedule (GPipe, 1F1B: a stage a rank; Interleaved1F1B: 2 stages a rank, stages r and
+r + 2 of 4) on 2 gloo ranks (a tiny 4-block GPT split by blocks, 4 micro-batches:
 benchmarks/pipeline_run.py), the uniform policy every framework applies (every block of every
 stage under torch.utils.checkpoint) sets the budget: its largest per-rank peak. remat then plans
-each stage for that same per-rank budget (`plan_and_wrap(stage_module, budget, schedule=...)`):
-a stage that fits without checkpointing gets no region. Per rank: the measured peak of the whole
-`schedule.step` (live storages at the dispatcher), remat's prediction, the plan's estimated extra
-compute (recomputed forward time over the stage's forward), and seconds per step (median of the
-steps after the first). Timings are this machine's (2 shared cores): a ratio in one run.
+each rank for that same per-rank budget (`plan_and_wrap(stage_module, budget, schedule=...)`; an
+interleaved rank's stages together, for its one budget): a stage that fits without checkpointing
+gets no region. Per rank: the measured peak of the whole `schedule.step` (live storages at the
+dispatcher), remat's prediction, the plan's estimated extra compute (recomputed forward time over
+the rank's forward, its stages' summed), and seconds per step (median of the steps after the
+first). Timings are this machine's (2 shared cores): a ratio in one run.
 
-    python benchmarks/pipeline.py [--steps 6] [--out benchmarks/results/pipeline.md]
+    python benchmarks/pipeline.py [--steps 6] [--schedules gpipe 1f1b interleaved] [--out benchmarks/results/pipeline.md]
+
+Regenerate the results file on an idle machine (every schedule, and the 70B job):
+`python benchmarks/pipeline.py --steps 6 --job --out benchmarks/results/pipeline.md`.
 
 With `--job`, it also plans a whole Llama-3-70B job from this process (8 stages, 1F1B, 16
 micro-batches of 1 x 8192 tokens, bf16, on meta; `remat report --pipeline`'s library call) at the
@@ -26,39 +31,44 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.pipeline_run import D, MB, SEQ, run, stages  # noqa: E402
+from benchmarks.pipeline_run import D, MB, MULTI_STAGE, SCHEDULES, SEQ, config, run_many, stages  # noqa: E402
 from remat.planner import analyze  # noqa: E402
 from remat.planner.solve.baselines import every_block  # noqa: E402
 from remat.planner.solve.simulate import timeline  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def _median(seconds: list[float]) -> float:
     return statistics.median(seconds[1:] or seconds)
 
 
-def uniform_extra(rank: int, n_stages: int = 2) -> float:
-    """The per-block policy's estimated extra compute on a stage (% of its forward), by the same
-    cost model as remat's plans: every block recomputed once per micro-batch."""
-    module = stages("gpt", n_stages)[rank]
-    x = torch.zeros(MB, SEQ, dtype=torch.long) if rank == 0 else torch.zeros(MB, SEQ, D, requires_grad=True)
-    cg = analyze(module, (x,)).cost_graph
-    return 100.0 * timeline(cg, every_block(cg)).recompute_s / sum(n.cost_s for n in cg.nodes)
+def uniform_extra(schedule: str, rank: int, n_ranks: int = 2) -> float:
+    """The per-block policy's estimated extra compute on a rank (% of its stages' forward), by the
+    same cost model as remat's plans: every block recomputed once per micro-batch."""
+    per = MULTI_STAGE.get(schedule, 1)
+    n = n_ranks * per
+    every = stages("gpt", n, 2 // per)
+    recompute, forward = 0.0, 0.0
+    for i in range(rank, n, n_ranks):
+        x = torch.zeros(MB, SEQ, dtype=torch.long) if i == 0 else torch.zeros(MB, SEQ, D, requires_grad=True)
+        cg = analyze(every[i], (x,)).cost_graph
+        recompute += timeline(cg, every_block(cg)).recompute_s
+        forward += sum(c.cost_s for c in cg.nodes)
+    return 100.0 * recompute / forward
 
 
 def compare(schedule: str, steps: int) -> list[dict]:
-    """One row per rank: the per-block policy and remat at the per-block policy's largest peak."""
-    uniform = run(schedule, checkpoint_blocks=True, steps=steps)
-    unplanned = run(schedule, steps=steps)
+    """One row per rank: the per-block policy and remat at the per-block policy's largest peak
+    (one spawn of the ranks for the unplanned runs, one for the planned)."""
+    uniform, unplanned = run_many([config(schedule, checkpoint_blocks=True, steps=steps), config(schedule, steps=steps)])
     budget = max(max(r["peaks"]) for r in uniform)
-    planned = run(schedule, plan=True, budget=budget, steps=steps)
+    planned = run_many([config(schedule, plan=True, budget=budget, steps=steps)])[0]
     rows = []
     for u, n, p in zip(uniform, unplanned, planned):
         rows.append(dict(schedule=schedule, rank=p["rank"], budget=budget, unplanned=max(n["peaks"]),
                          uniform=max(u["peaks"]), measured=max(p["peaks"]), predicted=p["predicted_peak_bytes"],
                          regions=len(p["regions"]), extra=p.get("extra_compute"),
-                         uniform_extra=uniform_extra(p["rank"]),
+                         uniform_extra=uniform_extra(schedule, p["rank"]),
                          s_unplanned=_median(n["seconds"]), s_uniform=_median(u["seconds"]),
                          s_remat=_median(p["seconds"]), plan_s=p["plan_seconds"]))
     return rows
@@ -99,19 +109,25 @@ def job() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
+        "The results file and docs/pipeline.md's table come from an idle machine: python benchmarks/pipeline.py "
+        "--steps 6 --job --out benchmarks/results/pipeline.md"))
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (the timings: the median after the first)")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+                    help="the schedules compared (default: all; interleaved: 2 stages a rank, planned together)")
     ap.add_argument("--out", default=None, help="write the results markdown here")
     ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = [r for s in SCHEDULES for r in compare(s, a.steps)]
+    rows = [r for s in a.schedules for r in compare(s, a.steps)]
     gloo_s = time.perf_counter() - t0
     whole = job() if a.job else ""
     text = (f"# Pipeline parallelism: remat per stage against per-block checkpointing\n\n"
             f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
-            f"stage), 4 micro-batches of 2x32 tokens; budget: the per-block policy's largest per-rank peak. "
-            f"`python benchmarks/pipeline.py --steps {a.steps}{' --job' if a.job else ''}` (the gloo runs "
+            f"rank: one stage, or under interleaved 1F1B two of one block), 4 micro-batches of 2x32 tokens; budget: "
+            f"the per-block policy's largest per-rank peak; extra compute: of the rank's forward. "
+            f"`python benchmarks/pipeline.py --steps {a.steps} --schedules {' '.join(a.schedules)}"
+            f"{' --job' if a.job else ''}` (the gloo runs "
             f"{gloo_s:.0f} s, {time.perf_counter() - t0:.0f} s in all).\n\n" + table(rows) + "\n" + whole)
     print(text)
     if a.out:

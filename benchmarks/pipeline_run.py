@@ -1,12 +1,15 @@
 """Pipeline-parallel steps on gloo ranks (issue 44): a tiny GPT (or a tiny Hugging Face Llama) split by
 blocks into stages, each rank running its stage under torch.distributed.pipelining's ScheduleGPipe
-or Schedule1F1B, optionally planned by remat per rank, and metered step by step.
+or Schedule1F1B (or two stages under ScheduleInterleaved1F1B), optionally planned by remat per
+rank, and metered step by step.
 
-    from benchmarks.pipeline_run import run
+    from benchmarks.pipeline_run import config, run, run_many
     ranks = run("1f1b", n_stages=2, n_microbatches=4, budget="60%", plan=True)
+    plain, planned = run_many([config("interleaved"), config("interleaved", budget="80%", plan=True)])
 
-`run` spawns one process per stage (torch.multiprocessing, gloo over a FileStore in a temporary
-directory) and returns one dict per rank (see `run`). Each step is metered whole with
+`run` spawns one process per rank (torch.multiprocessing, gloo over a FileStore in a temporary
+directory) and returns one dict per rank (see `run`); `run_many` runs several configurations in
+one spawn, in turn. Each step is metered whole with
 `remat.runtime.measure.peak_memory`, counting as live from its start what the rank holds before it
 (`live_before`: parameters, the stage's receive buffers and what else persists between steps).
 
@@ -176,21 +179,24 @@ def _walk(x, out: list, depth: int = 0, seen=None) -> list:
 TRANSIENT = ("recv_act_buffer_grads", "other")
 
 
-def held(stage, schedule, module: nn.Module, opt, inputs) -> tuple[dict[str, int], list[torch.Tensor]]:
+def held(stages: list, schedule, modules: list[nn.Module], opt, inputs) -> tuple[dict[str, int], list[torch.Tensor]]:
     """What the rank holds now, by kind (bytes), and the tensors that persist through a step
-    (each storage once; not those of TRANSIENT kinds)."""
-    params = list(module.parameters()) + list(module.buffers())
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    act = [a.buffer for r in stage.args_recv_info.values() for a in r if getattr(a, "buffer", None) is not None]
+    (each storage once; not those of TRANSIENT kinds); `stages` and `modules`: the rank's (one, or
+    an interleaved schedule's several)."""
+    params = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    act = [a.buffer for st in stages for r in st.args_recv_info.values() for a in r
+           if getattr(a, "buffer", None) is not None]
     act_grads = [b.grad for b in act if b.grad is not None]
-    grad_bufs = [a.buffer for r in stage.grad_recv_info.values() for a in r if getattr(a, "buffer", None) is not None]
+    grad_bufs = [a.buffer for st in stages for r in st.grad_recv_info.values() for a in r
+                 if getattr(a, "buffer", None) is not None]
     opt_state = _walk(opt.state, []) if opt is not None else []
     kinds = {"params": params, "param_grads": grads, "recv_act_buffers": act, "recv_act_buffer_grads": act_grads,
              "recv_grad_buffers": grad_bufs, "optimizer_state": opt_state, "inputs": list(inputs)}
     known = {id(t.untyped_storage()) for ts in kinds.values() for t in ts}
     skip = {"submod", "args_recv_info", "grad_recv_info", "group"}
-    rest = [t for k, v in vars(stage).items() if k not in skip for t in _walk(v, [])]
-    rest += [t for k, v in vars(schedule).items() if k != "_stage" for t in _walk(v, [])]
+    rest = [t for st in stages for k, v in vars(st).items() if k not in skip for t in _walk(v, [])]
+    rest += [t for k, v in vars(schedule).items() if k not in ("_stage", "_stages") for t in _walk(v, [])]
     kinds["other"] = [t for t in rest if id(t.untyped_storage()) not in known]
     out, seen = {}, set()
     tensors = []
@@ -210,28 +216,25 @@ def held(stage, schedule, module: nn.Module, opt, inputs) -> tuple[dict[str, int
 
 # ---------------------------------------------------------------- one rank
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+MULTI_STAGE = {"interleaved": 2, "zero-bubble": 2}     # stages a rank holds: stages r and r + ranks
 START_METHOD = os.environ.get("REMAT_PIPELINE_START", "fork")   # fork: no re-import per rank (seconds a run)
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+            "zero-bubble": ScheduleInterleavedZeroBubble}[name]
 
 
-def plan_takes_schedule() -> bool:
-    """Whether plan_and_wrap has `schedule=` (issue 44) yet."""
-    import inspect
-    from remat.runtime import plan_and_wrap
-    return "schedule" in inspect.signature(plan_and_wrap).parameters
-
-
-def _rank(rank: int, cfg: dict, store_path: str, out_dir: str) -> None:
+def _rank(rank: int, cfgs: list[dict], store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, cfg["n_stages"])
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg["n_stages"])
+    world = cfgs[0]["n_stages"]
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        result = _rank_steps(rank, cfg)
+        result = [_rank_steps(rank, cfg) for cfg in cfgs]
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise
@@ -241,53 +244,87 @@ def _rank(rank: int, cfg: dict, store_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _rank_steps(rank: int, cfg: dict) -> dict:
+def _build(rank: int, cfg: dict) -> tuple[list[nn.Module], list, object, list[torch.Tensor]]:
+    """The rank's stage modules, their PipelineStages, the schedule and one micro-batch's inputs of
+    each stage (a later stage's: zeros of the activations it receives)."""
     from torch.distributed.pipelining import PipelineStage
-    from remat.runtime.measure.peak import peak_memory
+    per = MULTI_STAGE.get(cfg["schedule"], 1)
+    n_ranks, n = cfg["n_stages"], cfg["n_stages"] * per
+    every = stages(cfg["model"], n, cfg["layers_per_stage"] // per, cfg["seed"], cfg["checkpoint_blocks"])
+    tokens, _ = batch(1, cfg["seed"])
+    modules, pstages, examples = [], [], []
+    for i in range(rank, n, n_ranks):
+        first, last = i == 0, i == n - 1
+        example_in = tokens[:MB] if first else torch.zeros(MB, SEQ, D)
+        # static metadata (no inference step): inputs and outputs that need grad, on the meta device
+        in_meta = example_in.to("meta") if first else torch.empty(MB, SEQ, D, device="meta", requires_grad=True)
+        out_meta = torch.empty(MB, SEQ, VOCAB if last else D, device="meta", requires_grad=True)
+        pstages.append(PipelineStage(every[i], i, n, torch.device("cpu"), input_args=(in_meta,), output_args=(out_meta,)))
+        modules.append(every[i])
+        examples.append(example_in)
+    cls = _schedule_class(cfg["schedule"])
+    schedule = cls(pstages if per > 1 else pstages[0], cfg["n_microbatches"], loss_fn=loss_fn)
+    return modules, pstages, schedule, examples
 
-    n, nmb = cfg["n_stages"], cfg["n_microbatches"]
-    first, last = rank == 0, rank == n - 1
-    module = stages(cfg["model"], n, cfg["layers_per_stage"], cfg["seed"], cfg["checkpoint_blocks"])[rank]
-    tokens, targets = batch(nmb, cfg["seed"])
-    example_in = tokens[:MB] if first else torch.zeros(MB, SEQ, D)
-    # static metadata (no inference step): inputs and outputs that need grad, on the meta device
-    in_meta = example_in.to("meta") if first else torch.empty(MB, SEQ, D, device="meta", requires_grad=True)
-    out_meta = torch.empty(MB, SEQ, VOCAB if last else D, device="meta", requires_grad=True)
-    stage = PipelineStage(module, rank, n, torch.device("cpu"), input_args=(in_meta,), output_args=(out_meta,))
-    schedule = _schedule_class(cfg["schedule"])(stage, nmb, loss_fn=loss_fn)
 
-    res = {"rank": rank, "schedule": cfg["schedule"], "predicted_peak_bytes": None, "regions": None,
-           "budget_bytes": None, "plan_seconds": None}
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3) if cfg["optimizer"] else None
-    if cfg["plan"]:
-        from remat.runtime import plan_and_wrap
-        budget = cfg["budget"]
-        budget = budget / 1e9 if isinstance(budget, (int, float)) else budget
-        t0 = time.perf_counter()
-        from remat.planner import PlanOptions
-        one = targets[:MB]                # one micro-batch's loss, as the schedule computes it
-        plan_and_wrap(module, budget, example_inputs=(example_in.clone(),), schedule=schedule,
+def _plan(res: dict, modules: list, pstages: list, schedule, examples: list, opt, cfg: dict) -> None:
+    """plan_and_wrap on the rank's first stage module (an interleaved rank's others are planned with
+    it); the plans' numbers into `res`. With `refuse`, the PipelineScheduleError it raises instead."""
+    from remat.planner import PlanOptions
+    from remat.runtime import plan_and_wrap
+    budget = cfg["budget"]
+    budget = budget / 1e9 if isinstance(budget, (int, float)) else budget
+    one = batch(cfg["n_microbatches"], cfg["seed"])[1][:MB]     # one micro-batch's loss, as the schedule computes it
+    last = pstages[-1].is_last
+    t0 = time.perf_counter()
+    try:
+        plan_and_wrap(modules[0], budget, example_inputs=(examples[0].clone(),), schedule=schedule,
                       loss_fn=(lambda out: loss_fn(out, one)) if last else None, optimizer=opt,
                       options=PlanOptions(pipeline_outputs=cfg["return_outputs"]))
-        res["plan_seconds"] = time.perf_counter() - t0
-        plan = module.remat.plan
-        res["predicted_peak_bytes"] = plan.predicted_peak_bytes
-        res["budget_bytes"] = plan.budget_bytes
-        res["regions"] = [(r.start, r.end) for r in plan.regions]
-        res["extra_compute"] = plan.extra_compute_pct
+    except Exception as e:  # noqa: BLE001 - a refusal the test names (cfg["refuse"])
+        if not cfg["refuse"]:
+            raise
+        res["refused"] = (type(e).__name__, str(e))
+        return
+    res["plan_seconds"] = time.perf_counter() - t0
+    plans = [m.remat.plan for m in modules]
+    res["predicted_peak_bytes"] = max(p.predicted_peak_bytes for p in plans)
+    res["budget_bytes"] = plans[0].budget_bytes
+    res["regions"] = [(r.start, r.end) for p in plans for r in p.regions]
+    res["stage_regions"] = [[(r.start, r.end) for r in p.regions] for p in plans]
+    res["plan_time"] = [p.facts.plan_time for p in plans]
+    forward = sum(p.forward_s for p in plans)
+    res["extra_compute"] = 100.0 * sum(p.recompute_s for p in plans) / forward if forward else 0.0
 
+
+def _rank_steps(rank: int, cfg: dict) -> dict:
+    from remat.runtime.measure.peak import peak_memory
+
+    modules, pstages, schedule, examples = _build(rank, cfg)
+    first, last = pstages[0].is_first, pstages[-1].is_last
+    tokens, targets = batch(cfg["n_microbatches"], cfg["seed"])
+    res = {"rank": rank, "schedule": cfg["schedule"], "predicted_peak_bytes": None, "regions": None,
+           "budget_bytes": None, "plan_seconds": None, "refused": None}
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3) if cfg["optimizer"] else None
+    if cfg["plan"]:
+        _plan(res, modules, pstages, schedule, examples, opt, cfg)
+        if res["refused"]:
+            return res
     inputs = [tokens] if first else []
     inputs += [targets] if last else []
     res.update(peaks=[], live_before=[], seconds=[], losses=[], trace=[])
     keep = cfg["return_outputs"]
     for _ in range(cfg["steps"]):
-        module.zero_grad(set_to_none=True)
-        live, live_tensors = held(stage, schedule, module, opt, inputs)
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        live, live_tensors = held(pstages, schedule, modules, opt, inputs)
         losses: list = []
 
         def step():
             if first:
-                schedule.step(tokens, return_outputs=keep)
+                schedule.step(tokens, target=targets if last else None, losses=losses if last else None,
+                              return_outputs=keep)
             elif last:
                 schedule.step(target=targets, losses=losses, return_outputs=keep)
             else:
@@ -296,18 +333,19 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
                 opt.step()
 
         t0 = time.perf_counter()
-        with _traced(stage, res["trace"]) if cfg["trace"] else _nothing():
-            peak = peak_memory(step, module, *live_tensors)
+        with _traced(pstages, res["trace"]) if cfg["trace"] else _nothing():
+            peak = peak_memory(step, *modules, *live_tensors)
         res["seconds"].append(time.perf_counter() - t0)
         res["peaks"].append(peak)
         res["live_before"].append(live)
         res["losses"].append(torch.stack([l.detach() for l in losses]).mean().item() if losses else None)
-    res["live_after"] = held(stage, schedule, module, opt, inputs)[0]
-    # named as in the plain split (a Checkpointed block's `.inner` dropped)
-    res["grads"] = {k.replace(".inner.", "."): p.grad.detach().clone()
-                    for k, p in module.named_parameters() if p.grad is not None}
+    res["live_after"] = held(pstages, schedule, modules, opt, inputs)[0]
+    # named as in the plain split (a Checkpointed block's `.inner` dropped), by stage on a rank of several
+    many = len(modules) > 1
+    res["grads"] = {(f"stage{st.stage_index}." if many else "") + k.replace(".inner.", "."): p.grad.detach().clone()
+                    for st, m in zip(pstages, modules) for k, p in m.named_parameters() if p.grad is not None}
     res["loss"] = res["losses"][-1]
-    res["param_bytes"] = _nbytes(list(module.parameters()))
+    res["param_bytes"] = _nbytes(params)
     return res
 
 
@@ -317,9 +355,9 @@ def _nothing():
 
 
 @contextlib.contextmanager
-def _traced(stage, out: list):
+def _traced(pstages: list, out: list):
     """Inside, the meter records its live bytes after every op into a new list appended to `out`,
-    and the stage's forward_one_chunk / backward_one_chunk mark where each micro-batch's begins
+    and each stage's forward_one_chunk / backward_one_chunk mark where each micro-batch's begins
     and ends."""
     from remat.runtime.measure import peak as peak_mod
     events: list = []
@@ -332,8 +370,6 @@ def _traced(stage, out: list):
             events.append((str(func.overloadpacket.__name__), self.live_bytes))
             return r
 
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
-
     def marked(kind: str, run):
         def chunk(i, *a, **k):
             events.append((kind, i))
@@ -344,51 +380,78 @@ def _traced(stage, out: list):
         return chunk
 
     peak_mod.StorageMeter = Tracing
-    stage.forward_one_chunk, stage.backward_one_chunk = marked("F", fwd), marked("B", bwd)
+    for st in pstages:
+        st.forward_one_chunk, st.backward_one_chunk = marked("F", st.forward_one_chunk), marked("B", st.backward_one_chunk)
     try:
         yield
     finally:
         peak_mod.StorageMeter = base
-        del stage.forward_one_chunk, stage.backward_one_chunk
+        for st in pstages:
+            del st.forward_one_chunk, st.backward_one_chunk
+
+
+def config(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,
+           steps: int = 2, model: str = "gpt", optimizer: bool = False, checkpoint_blocks: bool = False,
+           layers_per_stage: int = 2, seed: int = SEED, return_outputs: bool = False, trace: bool = False,
+           refuse: bool = False) -> dict:
+    """One run's settings, as `run` takes them (its keyword arguments); `run_many` runs several
+    in one spawn of the ranks."""
+    if schedule not in SCHEDULES and not refuse:
+        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
+    return dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan or refuse,
+                steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
+                layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs, trace=trace,
+                refuse=refuse)
 
 
 def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,
         steps: int = 2, model: str = "gpt", optimizer: bool = False, checkpoint_blocks: bool = False,
         layers_per_stage: int = 2, seed: int = SEED, return_outputs: bool = False,
         trace: bool = False) -> list[dict]:
-    """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a stage)
-    on `n_stages` gloo ranks under `schedule` ("gpipe" or "1f1b") with `n_microbatches`
-    micro-batches of MB rows (the same global batch each step). With `plan`, each rank plans its
-    stage module with `plan_and_wrap(module, budget, example_inputs=(one micro-batch,),
-    schedule=schedule)` (`budget`: bytes, or a string such as "60%"); `checkpoint_blocks` puts
-    each block under torch.utils.checkpoint instead (the per-block reference).
+    """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a rank)
+    on `n_stages` gloo ranks under `schedule` ("gpipe", "1f1b", or "interleaved": each rank holds
+    2 stages of `layers_per_stage` / 2 blocks, stages r and r + n_stages, under
+    ScheduleInterleaved1F1B) with `n_microbatches` micro-batches of MB rows (the same global batch
+    each step). With `plan`, each rank plans its stage module with `plan_and_wrap(module, budget,
+    example_inputs=(one micro-batch,), schedule=schedule)` (an interleaved rank: its first stage's
+    module, which plans both) (`budget`: bytes, or a string such as "60%"); `checkpoint_blocks`
+    puts each block under torch.utils.checkpoint instead (the per-block reference).
 
     Returns per rank: `peaks` (bytes, per step: step 1 allocates the receive buffers, later ones
     are the steady state), `live_before` (per step, bytes by kind held at its start, all counted
     in its peak: NOTE [ what a pipeline rank holds between steps ]), `live_after`, `losses` (per
     step, the mean of the micro-batches' losses on the last rank, else None) and `loss` (the last
-    step's), `grads` (name -> the parameter gradients after the last step), `seconds` (per
-    metered step), `param_bytes`, and when planned `predicted_peak_bytes`, `budget_bytes`,
-    `regions` ((start, end) per region) and `plan_seconds`. With `trace`, `trace` lists per step
-    the meter's live bytes after each op: ("F", i) / ("B", i) / ("end F", i) / ("end B", i) marks
-    around each micro-batch's forward and backward, then (op name, live bytes) entries. `return_outputs` is passed to
-    `schedule.step`: with it the last stage keeps every micro-batch's output (its
-    `output_chunks`) until the step merges them, and from then until the next step begins."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
-    cfg = dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan,
-               steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
-               layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs,
-               trace=trace)
+    step's), `grads` (name -> the parameter gradients after the last step; "stage<i>." before
+    each name on a rank of several stages), `seconds` (per metered step), `param_bytes`, and when
+    planned `predicted_peak_bytes`, `budget_bytes`, `regions` ((start, end) per region, every
+    stage's), `stage_regions` (per stage), `extra_compute` (% of the rank's forward), `plan_seconds`
+    and `plan_time` (per stage, the plan's own breakdown; None for a rank of several stages). With `trace`, `trace` lists per step the meter's live bytes after each op:
+    ("F", i) / ("B", i) / ("end F", i) / ("end B", i) marks around each micro-batch's forward and
+    backward, then (op name, live bytes) entries. `return_outputs` is passed to `schedule.step`:
+    with it the last stage keeps every micro-batch's output (its `output_chunks`) until the step
+    merges them, and from then until the next step begins."""
+    return run_many([config(schedule, n_stages, n_microbatches, budget, plan, steps, model, optimizer,
+                            checkpoint_blocks, layers_per_stage, seed, return_outputs, trace)])[0]
+
+
+def run_many(cfgs: list[dict]) -> list[list[dict]]:
+    """Each of `cfgs` (`config`, one number of ranks) run in turn by one spawn of the ranks: per
+    config, `run`'s list of rank dicts. A config with `refuse` plans a schedule remat refuses: its
+    ranks' dicts carry `refused` (the error's type name and message) and no steps."""
+    n_ranks = cfgs[0]["n_stages"]
+    if any(c["n_stages"] != n_ranks for c in cfgs):
+        raise ValueError("one spawn runs one number of ranks")
     with tempfile.TemporaryDirectory(prefix="remat-pipeline-") as tmp:
         store_path = os.path.join(tmp, "store")
         try:
-            mp.start_processes(_rank, args=(cfg, store_path, tmp), nprocs=n_stages, join=True, start_method=START_METHOD)
+            mp.start_processes(_rank, args=(cfgs, store_path, tmp), nprocs=n_ranks, join=True, start_method=START_METHOD)
         except Exception as e:
-            errors = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False).get("error")
-                      for r in range(n_stages) if os.path.exists(os.path.join(tmp, f"rank{r}.pt"))]
-            raise RuntimeError("pipeline ranks failed:\n" + "\n".join(e for e in errors if e)) from e
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(n_stages)]
+            saved = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                     for r in range(n_ranks) if os.path.exists(os.path.join(tmp, f"rank{r}.pt"))]
+            errors = [r["error"] for r in saved if isinstance(r, dict)]
+            raise RuntimeError("pipeline ranks failed:\n" + "\n".join(errors)) from e
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(n_ranks)]
+    return [[ranks[r][i] for r in range(n_ranks)] for i in range(len(cfgs))]
 
 
 def _table(ranks: list[dict], label: str) -> str:
@@ -417,6 +480,6 @@ if __name__ == "__main__":
         kw = dict(n_stages=a.stages, n_microbatches=a.microbatches, steps=a.steps, model=a.model, optimizer=a.optimizer)
         print(_table(run(s, **kw), f"{s} unplanned"))
         print(_table(run(s, checkpoint_blocks=True, **kw), f"{s} per-block"))
-        if a.budget is not None and plan_takes_schedule():
+        if a.budget is not None:
             b = int(a.budget) if a.budget.isdigit() else a.budget
             print(_table(run(s, budget=b, plan=True, **kw), f"{s} planned {a.budget}"))

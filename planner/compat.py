@@ -32,7 +32,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
 
@@ -129,6 +129,30 @@ def schedule_stages(schedule) -> list:
 def schedule_microbatches(schedule) -> int:
     """The micro-batches one `schedule.step` splits its batch into."""
     return int(schedule._n_microbatches)
+
+
+def schedule_rank_order(schedule) -> tuple[tuple[str, int, int], ...] | None:
+    """The computations a multi-stage schedule (`_PipelineScheduleRuntime`: interleaved 1F1B,
+    looped BFS, zero bubble, DualPipeV) runs on this rank, in its order: (kind, stage index,
+    micro-batch), kind "F" (forward), "B" (full backward), "I" / "W" (backward split into its
+    input and weight parts), sends and receives left out; the list `_step_microbatches` walks
+    (`pipeline_order_with_comms`). None for a one-stage schedule."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        return None
+    out = []
+    for a in order[schedule.rank]:
+        for c in (a.sub_actions or ()) if a.computation_type.value == "OVERLAP_F_B" else (a,):
+            if c.computation_type.value in ("F", "B", "I", "W"):
+                out.append((c.computation_type.value, c.stage_index, c.microbatch_index))
+    return tuple(out)
+
+
+def stage_input_metas(stage) -> tuple[tuple[torch.Size, torch.dtype], ...] | None:
+    """The (shape, dtype) of each of one micro-batch's inputs of a PipelineStage, as its receive
+    buffers are made from them (its `input_args`, or what its first step inferred); None while unknown."""
+    metas = stage._stage_meta.inputs or stage._user_meta.inputs
+    return None if metas is None else tuple((m.shape, m.dtype) for m in metas)
 
 
 def held_elsewhere(t: torch.Tensor) -> bool:

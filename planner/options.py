@@ -70,6 +70,9 @@ class PipelineRank:
     keeps_input_grads: bool = False
     """A later stage's input gradients (sent back, then dropped from the buffers) are held by
     their pending sends to the step's end (GPipe); False: each until the next backward ends (1F1B)."""
+    holds_latest: bool = True
+    """The schedule holds the latest forward's output until the next forward returns (a local of
+    the one-stage schedules' loop); False: the multi-stage runtime drops it when the forward ends."""
 
     @classmethod
     def one_stage(cls, schedule: str, stage: int, n_stages: int, n_microbatches: int) -> "PipelineRank":
@@ -92,6 +95,18 @@ class PipelineRank:
         else:
             raise ValueError(f"schedule {schedule!r}: 'gpipe' or '1f1b'")
         return cls(tuple(acts), n, stage == 0, last, sends=sends, keeps_input_grads=schedule == "gpipe")
+
+    @classmethod
+    def of_rank_order(cls, order: tuple[tuple[str, int, int], ...], stage: int, n_stages: int,
+                      n_microbatches: int) -> "PipelineRank":
+        """Stage `stage`'s part of a rank's order under torch's multi-stage runtime (interleaved
+        1F1B: (kind, stage index, micro-batch) per forward "F" and backward "B", several stages
+        on the rank): every send is waited for, and kept, to the step's end (forwards' outputs,
+        backwards' input gradients), and the latest output is not held past its forward."""
+        n, last = n_microbatches, stage == n_stages - 1
+        acts = tuple((kind, m) for kind, s, m in order if s == stage)
+        sends = () if last else tuple((m, n) for m in range(n))
+        return cls(acts, n, stage == 0, last, sends=sends, keeps_input_grads=True, holds_latest=False)
 
     def in_flight(self) -> int:
         """The most micro-batches between their forward and their backward at once."""

@@ -27,7 +27,7 @@ from remat.planner.result import Plan
 from remat.planner.step.state import instance_forwards, training_modes
 
 from . import distributed, dropin
-from .distributed import pipeline
+from .distributed import interleaved, pipeline
 from .book import PlanBook
 from .budget import StepBudget
 from .measure import preserved, training_loss
@@ -293,8 +293,8 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
     tried is compiled and measured with real steps on the example inputs, since Inductor decides
-    what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B
-    on the stage running `model`): the rank's whole `schedule.step` is planned (docs/pipeline.md).
+    what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B,
+    Interleaved1F1B; `model` runs a stage of it): the rank's whole step is planned (docs/pipeline.md).
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
     them (`Remat.time_plan`): `plan.facts.timing`, and a line of `plan.summary()`, give the
@@ -309,9 +309,9 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     """
     budget = _one_budget(budget_gb, budget)
     _not_compiled(model)
-    if schedule is not None:    # a pipeline stage (runtime/distributed/pipeline.py)
-        options, example_inputs, example_kwargs, loss_fn = pipeline_stage(model, schedule, options, example_inputs,
-                                                                          example_kwargs, compile, loss_fn)
+    if schedule is not None:    # a pipeline stage, or a rank's several (runtime/distributed/pipeline.py)
+        return plan_pipeline(model, budget, schedule, example_inputs, example_kwargs, loss_fn, options, compile,
+                             optimizer, time)
     if distributed.engine(model) is not None:     # FSDP2 / DDP: planned per rank (runtime/distributed/)
         return distributed.wrap_model(model, budget, example_inputs, example_kwargs, loss_fn, options,
                                       compile, optimizer)
@@ -334,21 +334,63 @@ def _one_budget(budget_gb, budget) -> Budget:
     return as_budget(budget_gb if budget is None else budget)
 
 
+def plan_pipeline(model: torch.nn.Module, budget: Budget, schedule, example_inputs, example_kwargs, loss_fn,
+                  options: PlanOptions, compile, optimizer, time: bool) -> torch.nn.Module:
+    """plan_and_wrap(model, ..., schedule=schedule): a rank running several stages (interleaved) has
+    them all planned together (`pipeline_rank`); a rank's one stage is planned as a model whose
+    step is its rank's whole `schedule.step` (`pipeline_stage`)."""
+    if pipeline.runs_several(schedule):
+        return pipeline_rank(model, schedule, budget, example_inputs, example_kwargs, loss_fn, options, compile,
+                             optimizer)
+    options, args, kwargs, loss_fn = pipeline_stage(model, schedule, options, example_inputs, example_kwargs,
+                                                    compile, loss_fn)
+    return plan_and_wrap(model, budget, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, options=options,
+                         compile=compile, optimizer=optimizer, time=time)
+
+
 def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, example_inputs, example_kwargs,
                    compile, loss_fn) -> tuple[PlanOptions, tuple, dict, Callable | None]:
     """The options, example inputs and loss of a pipeline stage's plan (runtime/distributed/pipeline.py):
     its output is held from its forward to its backward (`keep_output`); a stage before the last
     has no loss of its own, its backward starts from the gradient it receives."""
+    _pipeline_checks(model, example_inputs, example_kwargs, compile)
+    rank = replace(pipeline.rank_of(schedule, model), keeps_outputs=options.pipeline_outputs)
+    args, kwargs = pipeline.stage_inputs(tuple(example_inputs or ()), dict(example_kwargs or {}), rank)
+    return (replace(options, pipeline=rank, keep_output=True), args, kwargs,
+            loss_fn if rank.last else pipeline.received_grad_loss)
+
+
+def _pipeline_checks(model: torch.nn.Module, example_inputs, example_kwargs, compile) -> None:
     if example_inputs is None and example_kwargs is None:
         raise ValueError("a pipeline stage is planned up front: pass example_inputs (one micro-batch's inputs "
                          "of this stage)")
     if compile or distributed.engine(model) is not None:
         raise pipeline.PipelineScheduleError("a pipeline stage is planned eager and unsharded so far: plan it "
                                              "without compile= and before fully_shard/DDP")
-    rank = replace(pipeline.rank_of(schedule, model), keeps_outputs=options.pipeline_outputs)
-    args, kwargs = pipeline.stage_inputs(tuple(example_inputs or ()), dict(example_kwargs or {}), rank)
-    return (replace(options, pipeline=rank, keep_output=True), args, kwargs,
-            loss_fn if rank.last else pipeline.received_grad_loss)
+
+
+def pipeline_rank(model: torch.nn.Module, schedule, budget: Budget, example_inputs, example_kwargs, loss_fn,
+                  options: PlanOptions, compile, optimizer) -> torch.nn.Module:
+    """A rank running several stages of `schedule` (interleaved 1F1B), `model` one of their modules:
+    every stage module of the rank planned together for the rank's one budget
+    (runtime/distributed/interleaved.py), each plan installed in its own module; returns `model`.
+    `example_inputs` are `model`'s; `loss_fn` is the last stage's, if the rank holds it."""
+    rs = pipeline.rank_stages(schedule, model)
+    settings = interleaved.stage_settings(rs, model, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                                          loss_fn, options)
+    for s in settings:
+        _pipeline_checks(s.module, example_inputs, example_kwargs, compile)
+        _not_compiled(s.module)
+        if dropin.installed(s.module) is not None:      # planned before: the rank is planned anew, whole
+            dropin.remove(s.module)
+    step_budget = StepBudget.of(budget)
+    with step_budget.errors_spelled():
+        plans = interleaved.plan_rank(settings, rs.order, step_budget, optimizer)
+    for s, p in zip(settings, plans):
+        state = Remat(s.module, Budget("bytes", float(p.budget_bytes)), s.loss_fn, s.options, None, optimizer)
+        with _installed(s.module, state):
+            state.use_plan(p, *s.args, **s.kwargs)
+    return model
 
 
 def _not_compiled(model: torch.nn.Module) -> None:

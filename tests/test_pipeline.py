@@ -1,6 +1,8 @@
 """Pipeline parallelism (issue 44): a tiny GPT split into 2 stages on 2 gloo ranks under
-torch.distributed.pipelining's GPipe and 1F1B schedules (benchmarks/pipeline_run.py), metered per
-rank; planned per rank by remat once plan_and_wrap takes `schedule=`."""
+torch.distributed.pipelining's GPipe and 1F1B schedules, and into 4 (2 a rank) under
+ScheduleInterleaved1F1B (benchmarks/pipeline_run.py), metered per rank, and planned per rank by
+plan_and_wrap(..., schedule=). The gloo runs share spawns of the ranks (`run_many`): one for
+every unplanned run, one for every planned one."""
 import pytest
 import torch
 
@@ -65,18 +67,26 @@ def test_checkpoint_blocks_keeps_the_gradients():
 
 # ---------------------------------------------------------------- two ranks
 
+def _stages_held(schedule: str, rank: int) -> list[int]:
+    """The stage indices a rank of 2 holds: its own, or under interleaved 1F1B r and r + 2 of 4."""
+    return [rank, rank + 2] if schedule in ph.MULTI_STAGE else [rank]
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
-    """Unplanned and per-block-checkpointed runs of both schedules, 2 ranks, 4 micro-batches."""
-    return {(s, ck): ph.run(s, n_stages=2, n_microbatches=NMB, checkpoint_blocks=ck)
+    """Unplanned (1F1B's traced) and per-block-checkpointed runs of every schedule, 2 ranks, 4
+    micro-batches, and 1F1B with AdamW: one spawn of the ranks runs them all."""
+    cfgs = {(s, ck): ph.config(s, n_microbatches=NMB, checkpoint_blocks=ck, trace=(s, ck) == ("1f1b", False))
             for s in ph.SCHEDULES for ck in (False, True)}
+    cfgs["optimizer"] = ph.config("1f1b", n_microbatches=NMB, steps=2, optimizer=True)
+    return dict(zip(cfgs, ph.run_many(list(cfgs.values()))))
 
 
 @pytest.mark.slow
 def test_unplanned_peaks_follow_the_schedule(two_ranks):
     """GPipe runs every micro-batch's forward before any backward: each rank holds all 4
     micro-batches' activations; under 1F1B rank 0 holds 2 (its warm-up) and rank 1 one at a time.
-    Per-block checkpointing holds less on every rank."""
+    Per-block checkpointing holds less on every rank, under every schedule."""
     gpipe, ofob = two_ranks["gpipe", False], two_ranks["1f1b", False]
     for r in range(2):
         assert ofob[r]["peaks"][-1] < gpipe[r]["peaks"][-1]
@@ -89,63 +99,77 @@ def test_unplanned_peaks_follow_the_schedule(two_ranks):
 @pytest.mark.slow
 def test_what_persists_between_steps(two_ranks):
     """NOTE [ what a pipeline rank holds between steps ]: step 1 allocates one receive buffer per
-    micro-batch (activations on rank 1, their gradients on rank 0); later steps begin with them
-    live, and with nothing else but parameters and the batch."""
-    for (s, ck), ranks in two_ranks.items():
-        r0, r1 = ranks
-        for r in ranks:
+    micro-batch per stage (activations on a stage after the first, their gradients on a stage
+    before the last); later steps begin with them live, and with nothing else but parameters and
+    the batch."""
+    for (s, ck), ranks in ((k, v) for k, v in two_ranks.items() if isinstance(k, tuple)):
+        n_stages = 4 if s in ph.MULTI_STAGE else 2
+        for rank, r in enumerate(ranks):
             first, later = r["live_before"][0], r["live_before"][-1]
             assert first["total"] == r["param_bytes"] + first["inputs"]
             assert later["param_grads"] == later["optimizer_state"] == later["other"] == 0
             assert later["recv_act_buffer_grads"] == 0
             assert r["peaks"][-1] <= r["peaks"][0]
-        assert r0["live_before"][-1]["recv_grad_buffers"] == BUF and r0["live_before"][-1]["recv_act_buffers"] == 0
-        assert r1["live_before"][-1]["recv_act_buffers"] == BUF and r1["live_before"][-1]["recv_grad_buffers"] == 0
-        assert r0["live_before"][-1]["inputs"] == r1["live_before"][-1]["inputs"] == NMB * MB * SEQ * 8
+            held = _stages_held(s, rank)
+            assert later["recv_act_buffers"] == BUF * sum(i > 0 for i in held), (s, rank)
+            assert later["recv_grad_buffers"] == BUF * sum(i < n_stages - 1 for i in held), (s, rank)
+        assert ranks[0]["live_before"][-1]["inputs"] == ranks[1]["live_before"][-1]["inputs"] == NMB * MB * SEQ * 8
 
 
 @pytest.mark.slow
 def test_schedules_and_checkpointing_give_the_same_gradients(two_ranks):
     """The same micro-batches in the same order: GPipe, 1F1B and per-block checkpointing give
-    bitwise the same loss and parameter gradients (what a planned run is compared with)."""
+    bitwise the same parameter gradients, and every schedule (interleaved 1F1B too: its 4
+    stages split the same GPT) the same losses (what a planned run is compared with)."""
     ref = two_ranks["gpipe", False]
     assert ref[0]["loss"] is None and ref[1]["loss"] > 0
-    for ranks in two_ranks.values():
+    for (s, ck), ranks in ((k, v) for k, v in two_ranks.items() if isinstance(k, tuple)):
         assert ranks[1]["losses"] == ref[1]["losses"]
-        for r, want in zip(ranks, ref):
+        want_ranks = two_ranks["interleaved", False] if s in ph.MULTI_STAGE else ref
+        for r, want in zip(ranks, want_ranks):
             assert r["grads"].keys() == want["grads"].keys() and r["grads"]
             assert all(torch.equal(r["grads"][k], want["grads"][k]) for k in want["grads"])
 
 
 @pytest.mark.slow
-def test_optimizer_step_inside_the_step():
+def test_optimizer_step_inside_the_step(two_ranks):
     """AdamW in the metered step: its state (2 tensors a parameter, and a step count) is live
     before step 2, and the second step's loss is lower."""
-    ranks = ph.run("1f1b", n_microbatches=NMB, steps=2, optimizer=True)
+    ranks = two_ranks["optimizer"]
     for r in ranks:
         assert r["live_before"][0]["optimizer_state"] == 0
         assert r["live_before"][1]["optimizer_state"] >= 2 * r["param_bytes"]
     assert ranks[1]["losses"][1] < ranks[1]["losses"][0]
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny HF Llama split by decoder layers on 2 ranks, AdamW's step inside the measured step:
+    GPipe and 1F1B unplanned, and 1F1B planned at 90% of each rank's own unplanned step: one
+    spawn of the ranks."""
+    pytest.importorskip("transformers")
+    kw = dict(n_stages=2, n_microbatches=NMB, model="llama", optimizer=True)
+    cfgs = {"gpipe": ph.config("gpipe", **kw), "1f1b": ph.config("1f1b", **kw),
+            "planned": ph.config("1f1b", budget="90%", plan=True, **kw)}
+    return dict(zip(cfgs, ph.run_many(list(cfgs.values()))))
+
+
 @pytest.mark.slow
 @pytest.mark.hf
-def test_llama_pipeline_runs():
+def test_llama_pipeline_runs(llama):
     """The Hugging Face split runs under both schedules with the same losses and gradients, and
     1F1B holds less than GPipe on each rank."""
-    pytest.importorskip("transformers")
-    runs = {s: ph.run(s, n_microbatches=NMB, model="llama") for s in ph.SCHEDULES}
-    for r0, r1 in zip(runs["gpipe"], runs["1f1b"]):
+    for r0, r1 in zip(llama["gpipe"], llama["1f1b"]):
         assert r1["peaks"][-1] < r0["peaks"][-1]
         assert r0["losses"] == r1["losses"]
         assert all(torch.equal(r0["grads"][k], r1["grads"][k]) for k in r0["grads"])
 
 
 @pytest.mark.slow
-def test_trace_marks_the_micro_batches():
+def test_trace_marks_the_micro_batches(two_ranks):
     """`trace` gives the meter's live bytes op by op, its largest the measured peak, and the
     schedule's order of micro-batches (1F1B on rank 0: F0 F1 B0 F2 B1 F3 B2 B3)."""
-    ranks = ph.run("1f1b", n_microbatches=NMB, steps=1, trace=True)
+    ranks = two_ranks["1f1b", False]
     for r in ranks:
         events = r["trace"][0]
         assert max(v for k, v in events if k not in ("F", "B", "end F", "end B")) == r["peaks"][0]
@@ -155,41 +179,90 @@ def test_trace_marks_the_micro_batches():
 
 # ---------------------------------------------------------------- planned per rank (issue 44)
 
-needs_schedule = pytest.mark.skipif(not ph.plan_takes_schedule(), reason="plan_and_wrap has no schedule= yet")
+def _budget(two_ranks, schedule: str) -> int:
+    """One budget for every rank, between the per-block-checkpointed peaks and the unplanned ones."""
+    lo = max(r["peaks"][-1] for r in two_ranks[schedule, True])
+    hi = min(r["peaks"][-1] for r in two_ranks[schedule, False])
+    assert lo < hi
+    return (lo + hi) // 2
+
+
+@pytest.fixture(scope="module")
+def planned(two_ranks):
+    """Every schedule planned at `_budget` on each rank, and plan_and_wrap on interleaved zero
+    bubble (refused): one spawn of the ranks."""
+    cfgs = {s: ph.config(s, n_microbatches=NMB, budget=_budget(two_ranks, s), plan=True) for s in ph.SCHEDULES}
+    cfgs["zero-bubble"] = ph.config("zero-bubble", n_microbatches=NMB, budget="90%", refuse=True)
+    return dict(zip(cfgs, ph.run_many(list(cfgs.values()))))
 
 
 @pytest.mark.slow
-@needs_schedule
 @pytest.mark.parametrize("schedule", ph.SCHEDULES)
-def test_planned_pipeline_fits_the_budget(two_ranks, schedule):
-    """One budget for every rank, between the per-block-checkpointed peaks and the unplanned
-    ones: each rank's measured peak fits it and its prediction (over the whole schedule.step,
-    every micro-batch) is within 3% above; losses and gradients are bitwise the unplanned ones."""
-    plain, block = two_ranks[schedule, False], two_ranks[schedule, True]
-    lo, hi = max(r["peaks"][-1] for r in block), min(r["peaks"][-1] for r in plain)
-    assert lo < hi
-    budget = (lo + hi) // 2
-    ranks = ph.run(schedule, n_stages=2, n_microbatches=NMB, budget=budget, plan=True)
-    for r, want in zip(ranks, plain):
+def test_planned_pipeline_fits_the_budget(two_ranks, planned, schedule):
+    """Each rank's measured peak (its whole schedule.step, every micro-batch; under interleaved
+    1F1B both of its stages, planned together for the rank's one budget) fits the budget and its
+    prediction is within 3% above; losses and gradients are bitwise the unplanned ones."""
+    budget = _budget(two_ranks, schedule)
+    for r, want in zip(planned[schedule], two_ranks[schedule, False]):
         measured = max(r["peaks"])
+        assert r["budget_bytes"] == budget
         assert measured <= budget, (r["rank"], measured, budget)
         assert measured <= r["predicted_peak_bytes"] <= 1.03 * measured, (r["rank"], measured, r["predicted_peak_bytes"])
         assert r["losses"] == want["losses"]
-        assert all(torch.equal(r["grads"][k], want["grads"][k]) for k in want["grads"])
         assert r["grads"].keys() == want["grads"].keys()
+        assert all(torch.equal(r["grads"][k], want["grads"][k]) for k in want["grads"])
 
 
 @pytest.mark.slow
-@needs_schedule
-def test_a_planned_hugging_face_llama_pipeline_with_adamw_fits():
+def test_interleaved_stage_that_fits_gets_no_region(planned):
+    """Interleaved 1F1B on 2 ranks: rank 1's last stage (the logits, one micro-batch in flight
+    at a time in the cool-down) fits once rank 1's stage 1 recomputes, and gets no region; every
+    stage of rank 0 needs some. The plans live in the stage modules (`stage_regions`: per stage)."""
+    r0, r1 = planned["interleaved"]
+    assert all(r0["stage_regions"]) and r1["stage_regions"][0] and r1["stage_regions"][1] == []
+
+
+@pytest.mark.slow
+def test_zero_bubble_is_refused_by_name(planned):
+    """A schedule that splits backward into input and weight parts is refused, by name, with the
+    typed error, on every rank."""
+    for r in planned["zero-bubble"]:
+        kind, message = r["refused"]
+        assert kind == "PipelineScheduleError"
+        assert "ScheduleInterleavedZeroBubble" in message and "input and weight" in message
+
+
+def test_rank_order_refusals_name_the_schedule():
+    """In one process, on schedule-shaped objects: a multi-stage schedule remat does not plan
+    (looped BFS), one splitting backward (DualPipeV's input and weight parts) and one putting
+    adjacent stages on a rank are refused with PipelineScheduleError naming the schedule."""
+    from torch.distributed.pipelining.schedules import _Action
+    from remat.runtime.distributed.pipeline import PipelineScheduleError, rank_stages
+
+    def schedule(name: str, actions: list[str], stage_indices=(0, 2)):
+        stages = [type("Stage", (), {"stage_index": i, "num_stages": 4, "submod": torch.nn.Linear(2, 2)})()
+                  for i in stage_indices]
+        return type(name, (), {"_stages": stages, "rank": 0, "_n_microbatches": 2,
+                               "pipeline_order_with_comms": {0: [_Action.from_str(a) for a in actions]}})()
+
+    cases = [("ScheduleLoopedBFS", ["0F0", "2F0", "2B0", "0B0"], (0, 2), "ScheduleLoopedBFS"),
+             ("ScheduleDualPipeV", ["0F0", "3F0", "3I0", "3W0", "0I0", "0W0"], (0, 3), "input and weight"),
+             ("ScheduleInterleaved1F1B", ["0F0", "1F0", "1B0", "0B0"], (0, 1), "adjacent stages")]
+    for name, actions, idx, says in cases:
+        s = schedule(name, actions, idx)
+        with pytest.raises(PipelineScheduleError, match=says) as e:
+            rank_stages(s, s._stages[0].submod)
+        assert name in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_a_planned_hugging_face_llama_pipeline_with_adamw_fits(llama):
     """A tiny HF Llama split by decoder layers, 1F1B, AdamW's step inside the measured step (its
     state made in step 1, live in step 2): at 90% of each rank's own unplanned step (the last stage's
     floor is 88%: its logits, loss and AdamW state leave little to recompute), every rank
     fits, is predicted within 3% above, and trains bitwise like the unplanned pipeline."""
-    kw = dict(n_stages=2, n_microbatches=NMB, model="llama", optimizer=True)
-    plain = ph.run("1f1b", **kw)
-    ranks = ph.run("1f1b", budget="90%", plan=True, **kw)
-    for r, want in zip(ranks, plain):
+    for r, want in zip(llama["planned"], llama["1f1b"]):
         measured = max(r["peaks"])
         assert measured <= r["budget_bytes"], (r["rank"], measured, r["budget_bytes"])
         assert measured <= r["predicted_peak_bytes"] <= 1.03 * measured, (r["rank"], measured, r["predicted_peak_bytes"])

@@ -7,7 +7,9 @@ stage module as ever, with two differences: the solver's memory model holds the 
 micro-batches in flight (`rank_graph`: CostGraph.inflight), and every plan tried is replayed by
 `runtime.planning.ExactReplay` through `rank_peak`: the rank's whole action order on fake tensors
 (NOTE [ a rank's step ]) instead of one forward and backward. The budget is per rank; '%' is of the rank's step without checkpointing. The plan is
-installed in the stage module itself, so the rank's PipelineStage runs it as it is.
+installed in the stage module itself, so the rank's PipelineStage runs it as it is. A rank that
+runs several stages (ScheduleInterleaved1F1B: `rank_stages` reads its order) has them all planned
+together for its one budget (runtime/distributed/interleaved.py), each plan in its own module.
 
 NOTE [ a rank's step ]
 What torch's pipelining runtime keeps on a rank (torch/distributed/pipelining/stage.py), replayed:
@@ -28,18 +30,23 @@ What torch's pipelining runtime keeps on a rank (torch/distributed/pipelining/st
   min(micro-batches, stages - stage) - 2) until the 1B1F loop ends (`PipelineRank.sends`);
 - parameter gradients from the rank's first backward on, accumulated (then scaled in place).
 Each micro-batch saves what the plan's regions leave saved; under GPipe a stage holds all of
-them before its first backward, under 1F1B at most (stages - stage index). Schedules that split
-backward into input and weight parts (zero bubble, DualPipeV) and ranks holding several stages
-(interleaved) are refused by name.
+them before its first backward, under 1F1B at most (stages - stage index). Under torch's
+multi-stage runtime (interleaved 1F1B) every send is waited for at the step's end: each forward's
+output and each backward's input gradients are held to then, and no `output` local outlives its
+forward (`PipelineRank.of_rank_order`); a rank's stages hold their tensors apart (NOTE [ a rank
+of several stages ]). Schedules that split backward into input and weight parts (zero bubble,
+DualPipeV) and other multi-stage ones (looped BFS) are refused by name.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
+from typing import Callable, NamedTuple
 
 import torch
 
-from remat.planner.compat import schedule_microbatches, schedule_stages, tree_map
+from remat.planner.compat import schedule_microbatches, schedule_rank_order, schedule_stages, tree_map
 from remat.planner.errors import RematError
 from remat.planner.options import PipelineRank
 from remat.planner.profile.opaque import step_held
@@ -52,6 +59,10 @@ from ..measure.replay import _standing_in
 # their `_step_microbatches`; their `pipeline_order` numbers a later rank's micro-batches from 1 under
 # 1F1B on torch 2.13, so it is not read)
 ONE_STAGE = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
+# torch's multi-stage schedules planned: their order is read off the schedule (`pipeline_order_with_comms`,
+# micro-batches numbered from 0 on every rank on torch 2.13)
+MULTI_STAGE = ("ScheduleInterleaved1F1B",)
+SUPPORTED = "ScheduleGPipe, Schedule1F1B (one stage per rank) and ScheduleInterleaved1F1B (several)"
 
 
 class PipelineScheduleError(RematError, TypeError):
@@ -63,19 +74,54 @@ def rank_of(schedule, stage_module: torch.nn.Module) -> PipelineRank:
     PipelineStage that runs `stage_module`), as plain data."""
     stages = schedule_stages(schedule)
     if len(stages) != 1:
-        raise PipelineScheduleError(
-            f"{type(schedule).__name__} runs {len(stages)} stages on this rank: remat plans one stage per rank "
-            "(GPipe, 1F1B) so far; plan each stage module on its own with a one-stage schedule")
+        raise PipelineScheduleError(f"{type(schedule).__name__} runs {len(stages)} stages on this rank: plan them "
+                                    "together (rank_stages)")
     stage = stages[0]
     if stage.submod is not stage_module:
         raise PipelineScheduleError("the module planned is not the one the schedule's PipelineStage runs "
                                     "(pass stage.submod)")
     kind = ONE_STAGE.get(type(schedule).__name__)
     if kind is None:
-        raise PipelineScheduleError(
-            f"{type(schedule).__name__}: remat plans stages of ScheduleGPipe and Schedule1F1B so far (zero-bubble "
-            "schedules split backward into input and weight parts; interleaved ones run several stages per rank)")
+        raise PipelineScheduleError(f"{type(schedule).__name__}: remat plans stages of {SUPPORTED} so far")
     return PipelineRank.one_stage(kind, stage.stage_index, stage.num_stages, schedule_microbatches(schedule))
+
+
+class RankStages(NamedTuple):
+    """A rank that runs several stages of a multi-stage schedule (interleaved 1F1B), as
+    `rank_stages` reads it: its PipelineStages by stage index, each one's part (PipelineRank), and
+    the rank's order as ("F" or "B", position in `stages`, micro-batch)."""
+    stages: tuple
+    ranks: tuple[PipelineRank, ...]
+    order: tuple[tuple[str, int, int], ...]
+
+
+def runs_several(schedule) -> bool:
+    """Whether `schedule` runs several stages on this rank (a multi-stage schedule)."""
+    return len(schedule_stages(schedule)) > 1 or schedule_rank_order(schedule) is not None
+
+
+def rank_stages(schedule, stage_module: torch.nn.Module) -> RankStages:
+    """What this rank runs of a multi-stage `schedule` (one of its PipelineStages runs
+    `stage_module`), as plain data; PipelineScheduleError, naming the schedule, for one remat
+    does not plan."""
+    name = type(schedule).__name__
+    order = schedule_rank_order(schedule) or ()
+    if any(kind in ("I", "W") for kind, _, _ in order):
+        raise PipelineScheduleError(f"{name} splits backward into input and weight parts (zero bubble): remat "
+                                    f"plans {SUPPORTED} so far")
+    if name not in MULTI_STAGE:
+        raise PipelineScheduleError(f"{name}: remat plans {SUPPORTED} so far")
+    stages = tuple(sorted(schedule_stages(schedule), key=lambda st: st.stage_index))
+    if not any(st.submod is stage_module for st in stages):
+        raise PipelineScheduleError("the module planned is not one the schedule's PipelineStages on this rank run "
+                                    "(pass one of their .submod)")
+    index = {st.stage_index: i for i, st in enumerate(stages)}
+    if any(b - a == 1 for a, b in zip(index, list(index)[1:])):
+        raise PipelineScheduleError(f"{name} puts adjacent stages on one rank (its runtime hands activations over "
+                                    "locally, not modelled): remat plans ranks whose stages are apart")
+    n, n_stages = schedule_microbatches(schedule), stages[0].num_stages
+    ranks = tuple(PipelineRank.of_rank_order(order, st.stage_index, n_stages, n) for st in stages)
+    return RankStages(stages, ranks, tuple((kind, index[s], m) for kind, s, m in order))
 
 
 def stage_inputs(args: tuple, kwargs: dict, rank: PipelineRank) -> tuple[tuple, dict]:
@@ -113,11 +159,24 @@ def _copy(x):
     return x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
 
 
-class _Rank:
-    """One replay of a rank's action order (NOTE [ a rank's step ]) on a fake step."""
+class StageStep(NamedTuple):
+    """One stage of a rank's step as `rank_step_peak` replays it: its (rewritten) module, one
+    micro-batch's inputs, its loss (None before the last stage), its part of the schedule, and
+    the modules stood in for (planner.profile.opaque) with their examples."""
+    gm: torch.nn.Module
+    kwargs: dict
+    loss_fn: Callable | None
+    rank: PipelineRank
+    opaque: tuple[str, ...] = ()
+    examples: dict | None = None
 
-    def __init__(self, gm, fake, loss_fn, rank: PipelineRank, meter: LiveBytes):
+
+class _Rank:
+    """One stage's part of a replay of its rank's action order (NOTE [ a rank's step ]) on a fake step."""
+
+    def __init__(self, gm, fake, inputs, loss_fn, rank: PipelineRank, meter: LiveBytes):
         self.gm, self.fake, self.loss_fn, self.rank, self.meter = gm, fake, loss_fn, rank, meter
+        self.first_inputs = inputs      # the fake step's inputs of this stage: micro-batch 0's
         self.cache: dict[int, tuple] = {}
         self.kept: list = []
         self.losses: list = []
@@ -126,15 +185,16 @@ class _Rank:
         self.grad_sends: list = []           # input grads pending sends hold (PipelineRank.keeps_input_grads)
         self.loss_reads = 0      # the other micro-batches' targets (`_loss_reads`)
 
-    def run(self, grad_shapes: list) -> None:
-        rank, fake = self.rank, self.fake
-        # every micro-batch's inputs (the first is the fake step's), and a stage's output-grad buffers
-        self.inputs = [fake.inputs] + [tree_map(_copy, fake.inputs) for _ in range(rank.n_microbatches - 1)]
+    def start(self, grad_shapes: list) -> None:
+        """Every micro-batch's inputs (the first is the fake step's), and a stage's output-grad buffers."""
+        rank = self.rank
+        self.inputs = [self.first_inputs] + [tree_map(_copy, self.first_inputs) for _ in range(rank.n_microbatches - 1)]
         self.grads = [] if rank.last else [[torch.empty(s, dtype=d) for s, d in grad_shapes]
                                            for _ in range(rank.n_microbatches)]
-        for kind, m in rank.actions:
-            self.forward(m) if kind == "F" else self.backward(m)
-        if rank.last and rank.keeps_outputs and self.kept:
+
+    def finish(self) -> None:
+        """The last stage's outputs merged at the step's end (`return_outputs`)."""
+        if self.rank.last and self.rank.keeps_outputs and self.kept:
             merged = [torch.cat(list(parts)) for parts in zip(*(tensors(o) for o in self.kept))]
             del merged
 
@@ -148,10 +208,10 @@ class _Rank:
             if self.rank.keeps_outputs:
                 self.kept.append(out)
         self.cache[m] = (out, loss)
-        self.latest = out
+        if self.rank.holds_latest:
+            self.latest = out
         if any(k == m for k, _ in self.rank.sends):
             self.sent[m] = out
-
     @contextlib.contextmanager
     def _loss_reads(self):
         """Counts what the other micro-batches' targets add: a target the loss reads that the step
@@ -195,14 +255,64 @@ class _Rank:
 def rank_peak(gm: torch.nn.Module, kwargs: dict, loss_fn, rank: PipelineRank, opaque: tuple[str, ...] = (),
               examples: dict | None = None) -> tuple[int, int]:
     """(peak, live at the end) of the rank's whole step on fake tensors (NOTE [ a rank's step ])."""
-    def run(meta: bool) -> tuple[int, int]:
-        with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, False, meta) as fake:
+    step = StageStep(gm, kwargs, loss_fn, rank, opaque, examples)
+    return rank_step_peak((stage_trace(step),), tuple((kind, 0, m) for kind, m in rank.actions))
+
+
+class StageTrace(NamedTuple):
+    """One stage's part of its rank's step replayed alone, action by action (its start, each of
+    its forwards and backwards in the rank's order, its finish): NOTE [ a rank of several stages ]."""
+    before: int                  # live bytes before its start: its parameters and inputs
+    peaks: tuple[int, ...]       # per action, the most bytes live during it
+    levels: tuple[int, ...]      # per action, the bytes live after it
+    held: int                    # counted the whole step: reads of tensors made before it, the other targets
+
+
+def stage_trace(step: StageStep) -> StageTrace:
+    """The stage's actions (`step.rank.actions`) replayed on fake tensors, metered one by one."""
+    def run(meta: bool) -> StageTrace:
+        with _standing_in(step.gm, step.opaque, step.examples or {}), \
+                fake_step(step.gm, step.kwargs, False, meta) as fake:
             with torch.no_grad():       # the shapes of the output grads the stage receives
-                shapes = [(t.shape, t.dtype) for t in tensors(gm(**fake.inputs)) if t.is_floating_point()]
+                shapes = [(t.shape, t.dtype) for t in tensors(step.gm(**fake.inputs)) if t.is_floating_point()]
             with LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter, step_held():
-                step = _Rank(gm, fake, loss_fn, rank, meter)
-                step.run(shapes)
-                end = meter.live_bytes + meter.read_bytes
-            # every micro-batch's loss reads its own chunk of the targets the caller holds all step
-            return meter.peak_bytes + step.loss_reads, end + step.loss_reads
-    return meta_first(gm, kwargs, run)
+                stage = _Rank(step.gm, fake, fake.inputs, step.loss_fn, step.rank, meter)
+                calls = [functools.partial(stage.start, shapes)]
+                calls += [functools.partial(stage.forward if kind == "F" else stage.backward, m)
+                          for kind, m in step.rank.actions]
+                before, peaks, levels = meter.live_bytes, [], []
+                for call in calls + [stage.finish]:
+                    meter.reset_peak()
+                    call()
+                    peaks.append(meter.peak_bytes - meter.read_bytes)
+                    levels.append(meter.live_bytes)
+                # every micro-batch's loss reads its own chunk of the targets the caller holds all step
+                return StageTrace(before, tuple(peaks), tuple(levels), meter.read_bytes + stage.loss_reads)
+    return meta_first(step.gm, step.kwargs, run)
+
+
+# NOTE [ a rank of several stages ]
+# A rank running several stages (interleaved 1F1B) holds each stage's tensors apart: no stage
+# reads another's (the runtime sends a stage's output to the next stage's rank, even where that
+# is this rank, since interleaved stages are never adjacent: pipeline.rank_stages). Its live bytes
+# at any moment are the sum of its stages' own, and a stage's own change only in its actions. So
+# each stage is replayed alone, its actions in the rank's order (`stage_trace`), and the rank's
+# peak is composed (`rank_step_peak`): during an action of stage s, s's peak in that action plus
+# every other stage's bytes after its latest action; every stage starts (its inputs and buffers)
+# before the first action and finishes (the last stage's merged outputs) after the last. A plan
+# of one stage is then replayed once, whatever the others' plans: the planner of a rank of k
+# stages replays each stage per plan tried, not the rank per combination. One stage alone is the
+# same replay, to the byte, as before (`rank_peak`).
+def rank_step_peak(traces: tuple[StageTrace, ...], order: tuple[tuple[str, int, int], ...]) -> tuple[int, int]:
+    """(peak, live at the end) of a rank's whole step from its stages' traces (NOTE [ a rank of
+    several stages ]): `order` runs ("F" or "B", position in `traces`, micro-batch)."""
+    levels = [t.before for t in traces]
+    done = [0] * len(traces)
+    peak = 0
+    for i in list(range(len(traces))) + [i for _, i, _ in order] + list(range(len(traces))):
+        k = done[i]
+        peak = max(peak, traces[i].peaks[k] + sum(levels) - levels[i])
+        levels[i] = traces[i].levels[k]
+        done[i] += 1
+    held = sum(t.held for t in traces)
+    return peak + held, sum(levels) + held

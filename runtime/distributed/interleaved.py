@@ -1,0 +1,188 @@
+"""A pipeline rank that runs several stages (torch's ScheduleInterleaved1F1B): all of them planned
+together for the rank's one budget (NOTE [ several stages, one budget ]).
+
+`plan_and_wrap(stage_module, budget, example_inputs=(one_microbatch,), schedule=schedule)` given any
+one of the rank's stage modules reads the rank's order off the schedule
+(runtime/distributed/pipeline.py `rank_stages`), takes the other stages' micro-batch inputs from
+their PipelineStages' shapes (what their receive buffers are made from), and plans every stage
+module of the rank here; runtime/api.py installs each plan in its own stage module.
+
+NOTE [ several stages, one budget ]
+A rank holding stages a and b runs a's and b's micro-batches in one order, so what a keeps while b
+computes is b's problem too: the exact replay of the rank's whole step (`RankReplay`: every
+stage's rewritten module in one fake step, pipeline.rank_step_peak) is the judge of every plan.
+The solver plans one stage at a time with no change of its own: stage a's memory model is its
+one-stage model (rank_graph: a's micro-batches in flight) plus, as fixed bytes, what the other
+stages add under their current plans: the rank's replayed peak less a's replayed alone, both at
+the current plans (`_others_bytes`). Each solve's candidates are replayed with the rank whole,
+so the budget correction (planner/solve/fit.py) closes what that constant misses. Each stage's
+plans are replayed once each, the rank's peak composed from them (NOTE [ a rank of several stages ]
+in pipeline.py). Stages are
+planned in turn (a given b, b given a, ...) until a whole round changes no plan (at most
+`MAX_ROUNDS`); then every plan's prediction is the same replay of the rank under all of them.
+A stage that fits without regions, given the others, gets none. A stage that no plan fits given
+the others' current plans takes its least-peak plan for the round (its floor's), so that the
+others are planned around it; if the rank still does not fit, InfeasibleBudgetError.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Callable, NamedTuple
+
+import torch
+
+from remat.planner import PlanOptions, solve_plan
+from remat.planner.api import Analysis, analyze_for
+from remat.planner.compat import stage_input_metas
+from remat.planner.errors import InfeasibleBudgetError
+from remat.planner.facts import StepFacts
+from remat.planner.result import Plan
+from remat.planner.solve.fit import replay_margin
+from remat.planner.step.state import training_modes
+
+from ..budget import StepBudget
+from ..planning import PIPELINE_ROUNDS, ExactReplay
+from ..rewrite import REGION_PROBE, rewrite
+from .pipeline import (PipelineScheduleError, RankStages, StageStep, StageTrace, rank_graph, rank_step_peak,
+                       received_grad_loss, stage_inputs, stage_trace)
+
+log = logging.getLogger("remat.runtime")
+
+MAX_ROUNDS = 4
+WHAT = "the exact replay of the rank's whole step on fake tensors"
+
+
+class StageSetting(NamedTuple):
+    """One stage of the rank as it is planned: its module, one micro-batch's inputs (a later
+    stage's as its receive buffers are), its loss and its options (`PlanOptions.pipeline`: its part)."""
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: Callable | None
+    options: PlanOptions
+
+
+def stage_settings(rs: RankStages, module: torch.nn.Module, example_inputs: tuple, example_kwargs: dict,
+                   loss_fn, options: PlanOptions) -> list[StageSetting]:
+    """Every stage of the rank: `module`'s inputs are the caller's, another stage's are zeros of
+    its PipelineStage's input shapes; `loss_fn` is the last stage's, if the rank holds it."""
+    out = []
+    for st, rank in zip(rs.stages, rs.ranks):
+        if st.submod is module:
+            args, kwargs = tuple(example_inputs), dict(example_kwargs)
+        else:
+            metas = stage_input_metas(st)
+            if metas is None:
+                raise PipelineScheduleError(f"stage {st.stage_index}'s input shapes are not known yet: build its "
+                                            "PipelineStage with input_args= (one micro-batch's inputs, meta tensors do)")
+            args, kwargs = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in metas), {}
+        rank = replace(rank, keeps_outputs=options.pipeline_outputs)
+        args, kwargs = stage_inputs(args, kwargs, rank)
+        out.append(StageSetting(st.submod, args, kwargs, loss_fn if rank.last else received_grad_loss,
+                                replace(options, pipeline=rank, keep_output=True)))
+    return out
+
+
+class RankReplay:
+    """The rank's whole step replayed on fake tensors under one plan per stage (a tuple of
+    regions per stage, in `stages` order), the optimizer's state and step added: each stage's
+    plan replayed once (pipeline.stage_trace), the rank's peak composed from them (NOTE [ a
+    rank of several stages ]); `alone(i, regions)`, stage i's part alone."""
+
+    def __init__(self, settings: list[StageSetting], analyses: list[Analysis], order: tuple):
+        self.stages = [ExactReplay(s.module, a, s.loss_fn, s.options.pipeline) for s, a in zip(settings, analyses)]
+        self.order = order
+        self.traces: dict[tuple, StageTrace] = {}     # (stage, regions) -> its trace
+        self.seconds = 0.0
+
+    def _trace(self, i: int, regions: tuple) -> StageTrace:
+        if (i, regions) not in self.traces:
+            t0 = time.perf_counter()
+            r = self.stages[i]
+            a = r.analysis
+            with training_modes(r.model):       # the step planned is a training step (planner.step.state)
+                gm = rewrite(r.model, a.traced.gm, regions, r.names, r.facts, r.opaque)
+                step = StageStep(gm, a.example_inputs, r.loss_fn, r.pipeline, r.opaque, a.opaque_examples)
+                self.traces[i, regions] = stage_trace(step)
+            self.seconds += time.perf_counter() - t0
+        return self.traces[i, regions]
+
+    def _peak(self, which: list[int], regions: tuple) -> int:
+        traces = tuple(self._trace(i, tuple(regions[i])) for i in which)
+        pos = {i: n for n, i in enumerate(which)}
+        peak, end = rank_step_peak(traces, tuple((k, pos[i], m) for k, i, m in self.order if i in pos))
+        # the one optimizer over the rank's stages: each stage's analysis holds its whole state and step
+        steps = [self.stages[i].analysis.cost_graph.optimizer_step_bytes for i in which]
+        step = max(s or 0 for s in steps)
+        held = max(self.stages[i].facts.held_throughout_bytes for i in which)
+        return max(peak, end + step if any(s is not None for s in steps) else end) + held
+
+    def __call__(self, regions: tuple) -> int:
+        return self._peak(list(range(len(self.stages))), regions)
+
+    def alone(self, i: int, regions: tuple) -> int:
+        return self._peak([i], {i: regions})
+
+
+class StageMeasure:
+    """planner.solve.fit's Measure for stage `i`: the rank's replay, the other stages at `regions`."""
+    what = WHAT
+    rounds = PIPELINE_ROUNDS
+
+    def __init__(self, replay: RankReplay, i: int, regions: list):
+        self.replay, self.i, self.regions = replay, i, list(regions)
+
+    def __call__(self, regions) -> int:
+        return self.replay(tuple(tuple(regions) if j == self.i else r for j, r in enumerate(self.regions)))
+
+
+def _others_bytes(replay: RankReplay, i: int, regions: list) -> int:
+    """What the rank's other stages add to stage i's step at the current plans (NOTE [ several
+    stages, one budget ]): the rank's replayed peak less stage i's replayed alone."""
+    return max(0, replay(tuple(regions)) - replay.alone(i, regions[i]))
+
+
+def _stage_plan(replay: RankReplay, a: Analysis, s: StageSetting, i: int, regions: list,
+                budget_bytes: int) -> tuple[Plan, InfeasibleBudgetError | None]:
+    """Stage i's plan given the others' current ones (its least-peak plan, and the refusal, when none fits)."""
+    cg = rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs)
+    cg = replace(cg, fixed_bytes=cg.fixed_bytes + _others_bytes(replay, i, regions))
+    measure = StageMeasure(replay, i, regions)
+    try:
+        return solve_plan(cg, budget_bytes, s.options, a.traced.opaque, measure=measure, floor_if_needed=True), None
+    except InfeasibleBudgetError as e:
+        floor = solve_plan(cg, e.min_feasible_bytes, replace(s.options, find_min_feasible=False), a.traced.opaque,
+                           measure=measure)
+        return floor, e
+
+
+def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
+              optimizer: torch.optim.Optimizer | None = None) -> list[Plan]:
+    """A plan per stage of the rank, all of them together within `budget` (bytes, or '%' of the
+    rank's whole step without checkpointing), by NOTE [ several stages, one budget ]. Every
+    plan's prediction is the rank's replayed peak under all of them."""
+    analyses = [analyze_for(s.module, s.args, s.kwargs, s.loss_fn, s.options, optimizer, REGION_PROBE)
+                for s in settings]
+    replay = RankReplay(settings, analyses, order)
+    k = len(settings)
+    budget_bytes = budget.resolve(replay(((),) * k))
+    regions: list = [()] * k
+    plans: list = [None] * k
+    refused: list = [None] * k
+    for rounds in range(1, MAX_ROUNDS + 1):
+        changed = False
+        for i in range(k):
+            p, refused[i] = _stage_plan(replay, analyses[i], settings[i], i, regions, budget_bytes)
+            changed |= plans[i] is None or p.regions != regions[i]
+            plans[i], regions[i] = p, tuple(p.regions)
+        if not changed:
+            break
+    peak = replay(tuple(regions))
+    log.info("a rank of %d stages planned together in %d rounds: %d stage replays (%.1f s), peak %d of %d bytes",
+             k, rounds, len(replay.traces), replay.seconds, peak, budget_bytes)
+    if peak > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, max([peak] + [e.min_feasible_bytes for e in refused if e]), WHAT)
+    margin = 1.0 + replay_margin(settings[0].options, StepFacts.of(analyses[0].cost_graph.meta).device)
+    return [replace(p, predicted_peak_bytes=int(peak * margin), budget_bytes=budget_bytes) for p in plans]
