@@ -91,6 +91,11 @@ DRAWN_FAILURES = {
            "(`_Seeds`) where the step does not share it: its residual sum made a new tensor, not an in-place add",
     20236: "memory/under-predicted 5%: the user's reentrant checkpoint under autocast around backward recomputes "
            "from a detached leaf, whose cached cast holds it, its grad and the cast to the step's end; the stand-in freed them",
+    20724: "memory/over-predicted 6%: an opaque block alone in a checkpoint region; torch's recompute stops at its last "
+           "save, where its stand-in made its outputs and its whole forward's peak first",
+    41383: "memory/over-predicted 7% (as 20724: a rebinding block, opaque, under autocast)",
+    41711: "memory/over-predicted 5% (as 20724); then 147 B under: a frozen weight's cast, which autocast does not "
+           "cache, was held as a cached one to the step's end, and not made again by the stand-in's recompute",
 }
 
 

@@ -45,6 +45,8 @@ class OpaqueCost:
     unpack_extra_bytes: int = 0              # live in its backward when it first unpacks a saved tensor,
                                              # above what it starts with (`_Unpacks`)
     outliving: "Outliving" = None            # what its backward leaves alive to the step's end (`_outliving`)
+    save_extra_bytes: int = 0                # forward peak above its inputs up to its last save, whatever was
+                                             # alive then (outputs too): where a recompute may stop (`_Outs`)
 
 
 @dataclass(frozen=True)
@@ -165,13 +167,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         state = {k: (v.detach().clone().requires_grad_(v.requires_grad)) for k, v in real_state.items()}
         in_strides, in_grads = _grad_layouts(inputs)
         made: list[tuple[weakref.ref, int]] = []       # the storages made while metered, in order
-        packed: list[tuple[weakref.ref, weakref.ref]] = []     # what autograd saved (and its storage), while held
-        unpacks = _Unpacks()
-
-        def pack(t):
-            p = unlinked(t)
-            packed.append((weakref.ref(p), weakref.ref(t.untyped_storage())))
-            return p
+        saves, unpacks = _Saves(), _Unpacks()
         # the copies stand in for the module's tensors through backward too: a checkpoint inside it
         # recomputes there, and must use (and give gradients to) the copies, not the user's tensors
         # FlopCounterMode outside the meter: it decomposes ops it has no formula for (silu_backward),
@@ -180,13 +176,13 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
                 TotalFlops(display=False, custom_mapping=FLOP_FORMULAS) as fc, \
                 LiveBytes(baseline=inputs + list(state.values()),
                           on_alloc=lambda st, n: made.append((weakref.ref(st), n))) as live, \
-                _Casts(state.values()) as casts:
-            start = live.live_bytes
+                _Casts(state.values(), live) as casts:
+            start, saves.casts = live.live_bytes, casts
             drawn: list[bool] = []
             versions = attribute_versions(module)
             torch_rng = torch.random.get_rng_state()
             unpacks.live = live
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpacks), host_rng_restored(drawn):
+            with torch.autograd.graph.saved_tensors_hooks(saves, unpacks), host_rng_restored(drawn):
                 out = module(*r_args, **r_kwargs)
             torch_rng = (torch_rng, torch.random.get_rng_state())   # compared after the meter: it would count them
             writes_state = versions != attribute_versions(module)
@@ -196,7 +192,7 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
             # in forward, `delta.norm() < tol`, held its saved tensors only while it ran); the inputs
             # and outputs it still saves, the stand-in holds (saved by it)
             held = max(0, live.live_bytes - start - out_bytes)
-            saved_inputs, saved_outputs = _still_saved(packed, inputs, outs)
+            saved_inputs, saved_outputs = _still_saved(saves.packed, inputs, outs)
             fwd_extra = max(0, live.peak_bytes - start - out_bytes)
             in_backward = len(made)
             bwd_extra, bwd_start = _backward_extra(live, [t for t in outs if t.requires_grad], grad_strides, held_grads)
@@ -213,7 +209,8 @@ def _measure_once(module: torch.nn.Module, real_state: dict[str, torch.Tensor], 
         del out, outs, r_args, r_kwargs, inputs, state       # what the measurement holds: now only weakly
         outliving = _outliving(made[in_backward:], in_storages, in_grads, casts)
         cost = OpaqueCost(fc.get_total_flops(), saved_inputs, held, fwd_extra, bwd_extra, drawn[0], writes_state,
-                          saved_outputs, cast_bytes, tuple(in_strides), unpacks.extra(bwd_start), outliving)
+                          saved_outputs, cast_bytes, tuple(in_strides), unpacks.extra(bwd_start), outliving,
+                          max(0, saves.peak_bytes - start))
         drew_torch = not torch.equal(*torch_rng)
     return cost, shapes, drew_torch
 
@@ -286,6 +283,23 @@ def _backward_extra(live: LiveBytes, grads: list[torch.Tensor], grad_strides, he
     return max(0, live.peak_bytes - before), before
 
 
+class _Saves:
+    """The pack hook of a measured forward: what autograd saved (and its storage), held weakly
+    (`packed`), and the forward's peak up to its last save, its weights' casts aside (`peak_bytes`;
+    NOTE [ a recompute stops at the last save ])."""
+
+    def __init__(self):
+        self.packed: list[tuple[weakref.ref, weakref.ref]] = []
+        self.casts: _Casts | None = None
+        self.peak_bytes = 0
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        p = unlinked(t)
+        self.packed.append((weakref.ref(p), weakref.ref(t.untyped_storage())))
+        self.peak_bytes = self.casts.peak_bytes
+        return p
+
+
 class _Unpacks:
     """An unpack hook that records the live bytes when a module's backward first unpacks a tensor
     it saved: a checkpoint region around the module recomputes right then, on top of what the
@@ -308,17 +322,23 @@ class _Unpacks:
 
 class _Casts(TorchDispatchMode):
     """Remembers the copies made of `tensors` (autocast's casts of a module's weights, which its
-    cache keeps until autocast exits); `alive_bytes` are those still alive."""
+    cache keeps until autocast exits); `alive_bytes` are those still alive; `peak_bytes`, the
+    running peak of `live`'s bytes (a meter below this mode) less those alive after each op.
+    Autocast caches the casts of leaves that require grad only: a frozen weight's cast is made
+    again in each use, and in a recompute (fuzz seed 41711: held to the step's end as a cached
+    one, the stand-in's recompute was two frozen weights' casts under the measured peak)."""
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, live: LiveBytes):
         super().__init__()
-        self.ids = {id(t) for t in tensors}
+        self.ids = {id(t) for t in tensors if t.requires_grad}
         self.made: list[weakref.ref] = []
+        self.live, self.peak_bytes = live, live.live_bytes + live.read_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids:
             self.made.append(weakref.ref(out.untyped_storage()))
+        self.peak_bytes = max(self.peak_bytes, self.live.live_bytes + self.live.read_bytes - self.alive_bytes())
         return out
 
     def alive_bytes(self) -> int:
@@ -397,11 +417,15 @@ class StandIn(torch.autograd.Function):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         for p in params:
             p.view(-1)          # records that the node reads its parameters
-        outs = tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) if o.stride is not None
-                     else torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in out_specs)
-        # its forward's working memory on top of its outputs: a module's peak is often as it makes
-        # its output, while the temporaries Python still holds are alive (an earlier peak is met too)
-        tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
+        if _outputs_late(cost):     # its forward up to its last save; `_Outs` makes the outputs
+            outs = tuple(_placeholder(o) for o in out_specs)
+            small = sum(t.untyped_storage().nbytes() for t in outs)
+            tmp = torch.empty(max(0, cost.save_extra_bytes - small), dtype=torch.uint8)
+        else:
+            outs = _outputs(out_specs)
+            # its forward's working memory on top of its outputs: a module's peak is often as it makes
+            # its output, while the temporaries Python still holds are alive (an earlier peak is met too)
+            tmp = torch.empty(cost.fwd_extra_bytes, dtype=torch.uint8)
         del tmp
         # an input its backward leaves alive (`Outliving`) it holds until then (a reentrant checkpoint saves it)
         ctx.saved_inputs = sorted(set(cost.saved_input_positions) | set(_outliving_of(cost).inputs))
@@ -463,6 +487,53 @@ class _Held(torch.autograd.Function):
         return (None,) + tuple(g.new_zeros(()).expand_as(g) if g is not None else None for g in grads)
 
 
+# NOTE [ a recompute stops at the last save ]
+# torch's non-reentrant checkpoint stops a region's recompute as soon as it has remade the last
+# tensor the region's forward saved (early stop, on by default): the module that saved it runs only
+# up to that save, and its outputs and what it did after are never made again. An opaque module
+# alone in a region (or the last in it to save) is recomputed on top of what the backward holds at
+# its first unpack, and its stand-in made its outputs and its whole forward peak before its saves:
+# over by its outputs and more (fuzz seeds 41383, 41711, 20724: 5-7%, at that recompute). Unless it
+# saves one of its outputs (made before its last save, then), the stand-in runs in the order the
+# module does: StandIn reaches the forward's peak up to its last save (`save_extra_bytes`, with
+# what was alive then, outputs made by then too; the one-element placeholders it gives for its
+# outputs within it); `_Held` makes and saves what the module still holds (its last save: the
+# recompute of a region that ends here stops there); `_Outs` after it makes the outputs and the
+# rest of the forward's peak. Where the forward goes on, its peak is the whole forward's, as before.
+
+def _outputs_late(cost: OpaqueCost) -> bool:
+    return not cost.saved_output_positions
+
+
+def _outputs(out_specs: list) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) if o.stride is not None
+                 else torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in out_specs)
+
+
+def _placeholder(o: TensorSpec) -> torch.Tensor:
+    """An output's shape and dtype on one element (NOTE [ a recompute stops at the last save ])."""
+    return torch.empty_strided(o.shape, (0,) * len(o.shape), dtype=o.dtype, device=o.device)
+
+
+class _Outs(torch.autograd.Function):
+    """An opaque module's outputs, made after its last save, and the rest of its forward's peak on
+    top of what it holds (NOTE [ a recompute stops at the last save ]); in backward, their grads
+    passed on as they are."""
+
+    @staticmethod
+    def forward(ctx, measured: _Measured, out_specs: list, *placeholders):
+        cost = measured.cost
+        outs = _outputs(out_specs)
+        small = sum(t.untyped_storage().nbytes() for t in placeholders)
+        tmp = torch.empty(max(0, cost.fwd_extra_bytes - cost.internal_saved_bytes - small), dtype=torch.uint8)
+        del tmp
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + grads
+
+
 def _autocast_now() -> list[tuple[str, torch.dtype, bool]]:
     return [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
             for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
@@ -497,8 +568,10 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
     for t in _plain_tensors(module):       # read for real out of the meters' sight: counted here, once
         torch.ops.aten.alias.default(t)
     measured = _Measured(cost, rerun)
-    outs = iter(_Held.apply(measured, *StandIn.apply(measured, tensor_specs, len(inputs), *inputs,
-                                                      *module.parameters())))
+    outs = _Held.apply(measured, *StandIn.apply(measured, tensor_specs, len(inputs), *inputs, *module.parameters()))
+    if _outputs_late(cost):         # NOTE [ a recompute stops at the last save ]
+        outs = _Outs.apply(measured, tensor_specs, *outs)
+    outs = iter(outs)
     return tree_unflatten([next(outs) if isinstance(x, TensorSpec) else x for x in flat_spec], spec), cost
 
 
