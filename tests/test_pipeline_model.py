@@ -74,25 +74,31 @@ def test_the_ilp_is_the_exact_optimum_with_micro_batches_in_flight(seed):
 @pytest.mark.parametrize("seed,inflight", [(3, (2, 2, 2, 2)), (4, GPIPE_FIRST), (5, (0, 0, 0, 0)), (6, (3, -1, -1, 2))])
 def test_one_micro_batch_with_k_per_retained_byte_bounds_the_rank_and_is_it_under_1f1b(seed, inflight):
     """NOTE [ pipeline chain ]: every plan's peak on the rank is at most its peak on the graph of one
-    micro-batch (simulate.one_microbatch) plus k times what it retains, to the byte when the four
-    counts are equal (1F1B); one step's graph comes back as it is."""
+    micro-batch (simulate.one_microbatch, at a reference R0 retained) plus k times what it retains
+    above R0: to the byte at R0, and everywhere when the four counts are equal (1F1B) and R0 = 0;
+    one step's graph comes back as it is."""
     cg = replace(random_graph(300 + seed), inflight=inflight)
     one = one_microbatch(cg)
     assert one.cg.inflight == () and one.per_byte == max(inflight) and one_microbatch(one.cg).cg is one.cg
     equal = len(set(inflight)) == 1
-    for regions in every_plan(cg):
-        bound = timeline(one.cg, regions).peak_bytes + one.per_byte * _retained(cg, regions)
-        peak = timeline(cg, regions).peak_bytes
-        assert peak == bound if equal else peak <= bound, regions
+    plans = list(every_plan(cg))
+    for at in sorted({0} | {_retained(cg, p) for p in plans[::7]}):
+        one = one_microbatch(cg, at)
+        for regions in plans:
+            r = _retained(cg, regions)
+            bound = timeline(one.cg, regions).peak_bytes + one.per_byte * max(0, r - at)
+            peak = timeline(cg, regions).peak_bytes
+            assert peak == bound if r == at or (equal and at == 0) else peak <= bound, (at, regions)
 
 
 def _chain_optimum(options, budget, k, fixed):
     """Brute force: the least cost over every choice of one option per segment whose chain peak
-    (kept so far + M, at each segment) plus k (K + fixed) is within budget; and the least such total."""
+    (kept so far + M, at each segment) plus k max(0, K + fixed) is within budget; and the least such
+    total."""
     best, least = None, None
     for pick in itertools.product(*options):
         kept = [sum(o.kept for o in pick[:i]) for i in range(len(pick) + 1)]
-        total = max(kept[i] + o.peak for i, o in enumerate(pick)) + k * (kept[-1] + fixed)
+        total = max(kept[i] + o.peak for i, o in enumerate(pick)) + k * max(0, kept[-1] + fixed)
         least = total if least is None else min(least, total)
         if total <= budget:
             cost = sum(o.cost_s for o in pick)
@@ -103,12 +109,12 @@ def _chain_optimum(options, budget, k, fixed):
 @pytest.mark.parametrize("seed", range(30))
 def test_the_pipeline_chain_dp_fits_and_with_every_level_is_the_optimum(seed, monkeypatch):
     """chain.pipeline_dp and least_total against every choice: the least total exactly; a plan
-    whenever one fits, that fits (chain peak plus k times what it keeps); and, with a level for
+    whenever one fits, that fits (chain peak plus k times what it keeps above R0); and, with a level for
     every byte of chain peak, the cheapest."""
     r = random.Random(seed)
     options = [[Option((), r.randint(0, 20), r.randint(5, 60), float(r.randint(0, 9))) for _ in range(r.randint(1, 5))]
                for _ in range(r.randint(1, 4))]
-    k, fixed = r.randint(1, 4), r.randint(0, 5)
+    k, fixed = r.randint(1, 4), r.randint(-30, 5)          # fixed: the outputs less the reference R0
     least = _chain_optimum(options, 0, k, fixed)[1]
     assert chain.least_total(options, k, fixed)[0] == least
     for budget in (least - 1, least, least + 20, least + 80):

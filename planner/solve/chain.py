@@ -149,34 +149,39 @@ def chain_min_peak(options: list[list[Option]]) -> int:
 # NOTE [ pipeline chain ]
 # A pipeline rank (CostGraph.inflight) holds what each other micro-batch in flight retains, R =
 # its outputs plus every storage a plan keeps: the chain's K summed over the segments, plus the
-# outputs. simulate.one_microbatch puts what the others add at R = 0 in each node's held bytes and
-# gives k, the most they add per byte of R: a plan fits when its chain peak P (on that graph) plus
-# k (K + outputs) does (exactly under 1F1B; the judge, hierarchy step 5, corrects the rest). The
-# DP's state knows the K so far, not the whole K, so the chain is solved at levels b of P: at b,
-# with every K at most (budget - b) / k - outputs (`chain_dp`'s cap). The levels: PIPELINE_LEVELS
-# evenly from the least chain peak to the highest a K can leave room for, and the level of the
-# least total peak (`least_total`: a plan wherever one fits); then the best level's cap lowered
-# to the K its plan keeps, its level raised by as much (that plan still fits: never dearer), while
-# that finds a cheaper plan. On the 70B job's 8 stages (benchmarks/pipeline.py --job) 24 levels planned
-# within half a point of 8's extra compute (one stage dearer, two cheaper) at 0.9 CPU s more in
-# all; 3 levels up to 3.1 points dearer.
+# outputs. simulate.one_microbatch puts what the others add at a reference R0 in each node's held
+# bytes and gives k, the most they add per byte of R above it: a plan fits when its chain peak P
+# (on that graph) plus k max(0, K + outputs - R0) does. Under 1F1B (the four counts equal) each
+# add is linear in R and R0 = 0: exact. Else R0 is what every block checkpointed retains (budgets
+# lie near the per-block policy's peak), exact at R0 and cautious away from it (the judge,
+# hierarchy step 5, corrects): the 70B job's stage graphs given GPipe's counts for 4 micro-batches,
+# at the per-block policy's largest peak: the last stage at 67.5% extra compute, 70.3% with R0 = 0
+# (no chain fit: every block's plan), the flat ILP 68.7% (the others alike or cheaper). The DP's state knows the K so far, not
+# the whole K, so the chain is solved at levels b of P: at b, with every K at most (budget - b) /
+# k - outputs + R0 (`chain_dp`'s cap). The levels: PIPELINE_LEVELS evenly from the least chain
+# peak to the highest a K can leave room for, and the level of the least total peak
+# (`least_total`: a plan wherever one fits); then the best level's cap lowered to the K its plan
+# keeps, its level raised by as much (that plan still fits: never dearer), while that finds a
+# cheaper plan. On the 70B job's 8 stages (benchmarks/pipeline.py --job) 24 levels planned within
+# half a point of 8's extra compute (one stage dearer, two cheaper) at 0.9 CPU s more in all; 3
+# levels up to 3.1 points dearer.
 PIPELINE_LEVELS = 8
 PIPELINE_RAISES = 4
 
 
 def pipeline_dp(options: list[list[Option]], budget: int, k: int, fixed: int) -> tuple[float, list[int]] | None:
     """chain_dp for a pipeline rank (NOTE [ pipeline chain ]): every segment's kept-so-far + M plus
-    k (the whole K + `fixed`) within `budget`."""
+    k max(0, the whole K + `fixed`) within `budget`."""
     least = least_total(options, k, fixed)
     if least[0] > budget:
         return None
 
     def at(level: int):
         cap = (budget - level) // k - fixed
-        return chain_dp(options, level, cap) if cap >= 0 else None
+        return chain_dp(options, level, cap) if cap >= 0 and level <= budget else None
 
     lo = chain_min_peak(options)
-    hi = budget - k * (sum(min(o.kept for o in opts) for opts in options) + fixed)
+    hi = budget - k * max(0, sum(min(o.kept for o in opts) for opts in options) + fixed)
     levels = {least[1]} | {lo + (hi - lo) * j // (PIPELINE_LEVELS - 1) for j in range(PIPELINE_LEVELS) if hi > lo}
     tried = [(got, level) for level in sorted(levels) if (got := at(level)) is not None]
     if not tried:                        # the least-total plan lost to the DP's buckets (DP_STATES)
@@ -184,7 +189,7 @@ def pipeline_dp(options: list[list[Option]], budget: int, k: int, fixed: int) ->
     best, level = min(tried, key=lambda g: g[0][0])
     for _ in range(PIPELINE_RAISES):
         kept = sum(opts[oi].kept for opts, oi in zip(options, best[1]))
-        up = budget - k * (kept + fixed)
+        up = budget - k * max(0, kept + fixed)
         got = at(up) if up > level else None
         if got is None or got[0] >= best[0]:
             break
@@ -193,7 +198,7 @@ def pipeline_dp(options: list[list[Option]], budget: int, k: int, fixed: int) ->
 
 
 def least_total(options: list[list[Option]], k: int, fixed: int) -> tuple[int, int]:
-    """(the least P + k (K + fixed) a chain reaches, the level of P it is reached at): NOTE
+    """(the least P + k max(0, K + fixed) a chain reaches, the level of P it is reached at): NOTE
     [ pipeline chain ]. The least K within a level (one state per segment: less kept so far is
     never worse) falls as the level rises; the total is least where it has just fallen, so the
     levels are walked from the least chain peak, each time up to the next one that keeps less
@@ -207,10 +212,10 @@ def least_total(options: list[list[Option]], k: int, fixed: int) -> tuple[int, i
             kept = min(ks)
         return kept
 
-    floor = k * (sum(min(o.kept for o in opts) for opts in options) + fixed)
+    floor = k * max(0, sum(min(o.kept for o in opts) for opts in options) + fixed)
     level = chain_min_peak(options)
     kept = least_kept(level)
-    best = (level + k * (kept + fixed), level)
+    best = (level + k * max(0, kept + fixed), level)
     while level + floor < best[0]:
         lo, hi = level + 1, best[0] - floor
         if least_kept(hi) >= kept:
@@ -222,5 +227,5 @@ def least_total(options: list[list[Option]], k: int, fixed: int) -> tuple[int, i
             else:
                 lo = mid + 1
         level, kept = lo, least_kept(lo)
-        best = min(best, (level + k * (kept + fixed), level))
+        best = min(best, (level + k * max(0, kept + fixed), level))
     return best

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 
 from remat.planner.solve import ilp as _ilp
-from remat.planner.solve.baselines import known_plans
+from remat.planner.solve.baselines import every_block, known_plans
 from remat.planner.solve.blocks import Segment, segments
 from remat.planner.solve.candidates import FULL_PAIRS, candidates
 from remat.planner.solve.chain import chain_dp, chain_min_peak, least_total, pipeline_dp
@@ -60,7 +60,7 @@ from remat.planner.solve.nogc import paused
 from remat.planner.options import SolveOptions
 from remat.planner.result import Region
 from remat.planner.solve.segment import SEGMENT_PAIRS, Context, Option, SegmentILP, shift
-from remat.planner.solve.simulate import base_liveness, one_microbatch, timeline
+from remat.planner.solve.simulate import base_liveness, one_microbatch, plan_retained, timeline
 
 LEVELS = 8           # kept-bytes levels each segment's exact ILP is first solved at (its options)
 LOW_PEAK = 2         # at how many of the K found the plan of least peak is solved for, when needed
@@ -245,7 +245,7 @@ class HierarchicalSolver:
         self.ctx = ctx or search(cg, opts.sac)
         self.segs = segments(cg)
         # a pipeline rank's segments are scored as one micro-batch's (NOTE [ pipeline chain ])
-        one = self.one = one_microbatch(cg)
+        one = self.one = one_microbatch(cg, _reference_retained(cg))
         base = base_liveness(one.cg)
         settled = _settled(cg, self.segs)
         self.contexts = [Context(one.cg, s, base, settled[i]) for i, s in enumerate(self.segs)]
@@ -370,7 +370,7 @@ class HierarchicalSolver:
             o = opts[oi]
             regions += o.regions
             peak, kept = max(peak, kept + o.peak), kept + o.kept
-        return tuple(regions), peak + (self.one.per_byte * (kept + self.one.fixed) if self.one.per_byte else 0)
+        return tuple(regions), peak + (self.one.per_byte * max(0, kept + self.one.fixed) if self.one.per_byte else 0)
 
     def _dp(self, budget: int):
         """The chain DP (NOTE [ chain ]; a pipeline rank's: NOTE [ pipeline chain ])."""
@@ -513,6 +513,15 @@ class HierarchicalSolver:
             if key(better) < key(regions):
                 regions, label = better, label + "; improved by local search"
         return _ilp.Solution(regions, label, float("nan"), time.perf_counter() - t0)
+
+
+def _reference_retained(cg: CostGraph) -> int:
+    """Where a pipeline rank's chain is exact (NOTE [ pipeline chain ]): 0 when the schedule's four
+    counts are equal (then everywhere), else what one micro-batch retains with every block
+    checkpointed (budgets lie near the per-block policy's peak); 0 for one step."""
+    if len(set(cg.inflight)) <= 1:
+        return 0
+    return plan_retained(cg, every_block(cg))
 
 
 def _spread(points: list, most: int) -> list:

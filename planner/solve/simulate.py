@@ -240,25 +240,32 @@ def pipeline_adds(cg: CostGraph, retained: int) -> tuple[int, list[int]]:
     return fwd, bwd
 
 
+def plan_retained(cg: CostGraph, regions: tuple[Region, ...]) -> int:
+    """`retained_bytes` of a plan."""
+    where = region_index(len(cg.nodes), regions)
+    return retained_bytes(cg, keep_release(cg, regions, where, [region_recompute(cg, r).top for r in regions]))
+
+
 class OneMicrobatch(NamedTuple):
     """A pipeline rank's graph as one micro-batch's step (NOTE [ pipeline chain ] in chain.py)."""
-    cg: CostGraph      # inflight (): what the other micro-batches add when they retain nothing, as held bytes
-    per_byte: int      # k: the most those adds grow per byte one micro-batch retains (0: one step)
-    fixed: int         # bytes every micro-batch retains whatever the plan (its outputs)
+    cg: CostGraph      # inflight (): what the other micro-batches add at the reference R0, as held bytes
+    per_byte: int      # k: the most those adds grow per byte retained above R0 (0: one step)
+    fixed: int         # bytes every micro-batch retains whatever the plan (its outputs), less R0
 
 
-def one_microbatch(cg: CostGraph) -> OneMicrobatch:
-    """`cg` (a pipeline rank's, `CostGraph.inflight`) with `pipeline_adds` at R = 0 in each node's
-    held bytes: for every plan, timeline(cg) <= timeline(one.cg) + k (retained_bytes), equal when
-    the schedule's four counts are equal (1F1B): each add is a max of terms of slope a, b, c or d
-    in R, k the largest. A graph of one step comes back as it is, k = 0."""
+def one_microbatch(cg: CostGraph, at: int = 0) -> OneMicrobatch:
+    """`cg` (a pipeline rank's, `CostGraph.inflight`) with `pipeline_adds` at R0 = `at` bytes
+    retained in each node's held bytes: for every plan, timeline(cg) <= timeline(one.cg) + k max(0,
+    retained_bytes - R0), equal at R0, and everywhere when the schedule's four counts are equal
+    (1F1B) and R0 = 0: each add is a max of terms linear in R, of slope a, b, c or d (k the
+    largest), and never less at R0 than below it. A graph of one step comes back as it is, k = 0."""
     if not cg.inflight:
         return OneMicrobatch(cg, 0, 0)
-    fwd0, bwd0 = pipeline_adds(cg, 0)
+    fwd0, bwd0 = pipeline_adds(cg, at)
     nodes = tuple(replace(c, fwd_held_bytes=c.fwd_held_bytes + fwd0, bwd_held_bytes=c.bwd_held_bytes + b)
                   for c, b in zip(cg.nodes, bwd0))
     return OneMicrobatch(replace(cg, nodes=nodes, inflight=()), max(0, *cg.inflight),
-                         sum(s.bytes for s in cg.storages if s.output))
+                         sum(s.bytes for s in cg.storages if s.output) - at)
 
 
 def made_in_backward(cg: CostGraph) -> list[int]:
