@@ -268,3 +268,52 @@ def test_a_planned_hugging_face_llama_pipeline_with_adamw_fits(llama):
         assert measured <= r["predicted_peak_bytes"] <= 1.03 * measured, (r["rank"], measured, r["predicted_peak_bytes"])
         assert r["losses"] == want["losses"]
         assert all(torch.equal(r["grads"][k], want["grads"][k]) for k in want["grads"])
+
+
+def test_a_rank_that_no_plan_fits_names_a_budget_that_fits():
+    """In one process, two stages of a small MLP as one interleaved rank holds them (stages 0 and
+    2 of 4, 2 micro-batches): a budget below the rank's parameters raises InfeasibleBudgetError,
+    and the budget it names fits: planned there, every stage's prediction (the rank's replay under
+    all of the plans) is within it."""
+    from remat.planner import PlanOptions
+    from remat.planner.errors import InfeasibleBudgetError
+    from remat.planner.options import PipelineRank
+    from remat.runtime.budget import StepBudget
+    from remat.runtime.distributed import interleaved
+    from remat.runtime.distributed.pipeline import received_grad_loss, stage_inputs
+
+    torch.manual_seed(0)
+    modules = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32)) for _ in range(2)]
+    order = tuple((a[1], int(a[0]), int(a[2])) for a in ["0F0", "0F1", "2F0", "2B0", "2F1", "2B1", "0B0", "0B1"])
+    settings = []
+    for module, stage in zip(modules, (0, 2)):
+        rank = PipelineRank.of_rank_order(order, stage, 4, 2)
+        args, kwargs = stage_inputs((torch.randn(16, 32),), {}, rank)
+        settings.append(interleaved.StageSetting(module, args, kwargs, received_grad_loss,
+                                                 PlanOptions(pipeline=rank, keep_output=True)))
+    positions = tuple((kind, 0 if stage == 0 else 1, m) for kind, stage, m in order)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        interleaved.plan_rank(settings, positions, StepBudget.of(1e-9))
+    assert e.value.min_feasible_bytes > 1
+    plans = interleaved.plan_rank(settings, positions, StepBudget.of(e.value.min_feasible_bytes / 1e9))
+    assert all(p.predicted_peak_bytes <= e.value.min_feasible_bytes for p in plans)
+    assert len({p.predicted_peak_bytes for p in plans}) == 1
+
+
+def test_a_stage_of_unknown_input_shapes_is_refused():
+    """An interleaved rank's other stage built without `input_args` (its shapes known only after a
+    first step) is refused with PipelineScheduleError, naming the stage and what to pass."""
+    from types import SimpleNamespace
+
+    from remat.planner import PlanOptions
+    from remat.planner.options import PipelineRank
+    from remat.runtime.distributed import interleaved
+    from remat.runtime.distributed.pipeline import PipelineScheduleError, RankStages
+
+    order = (("F", 0, 0), ("F", 2, 0), ("B", 2, 0), ("B", 0, 0))
+    unknown = SimpleNamespace(inputs=None)
+    stages = tuple(SimpleNamespace(stage_index=i, submod=torch.nn.Linear(2, 2), _stage_meta=unknown, _user_meta=unknown)
+                   for i in (0, 2))
+    rs = RankStages(stages, tuple(PipelineRank.of_rank_order(order, i, 4, 1) for i in (0, 2)), order)
+    with pytest.raises(PipelineScheduleError, match="stage 2's input shapes .* input_args="):
+        interleaved.stage_settings(rs, stages[0].submod, (torch.zeros(1, 2),), {}, None, PlanOptions())

@@ -22,7 +22,8 @@ planned in turn (a given b, b given a, ...) until a whole round changes no plan 
 `MAX_ROUNDS`); then every plan's prediction is the same replay of the rank under all of them.
 A stage that fits without regions, given the others, gets none. A stage that no plan fits given
 the others' current plans takes its least-peak plan for the round (its floor's), so that the
-others are planned around it; if the rank still does not fit, InfeasibleBudgetError.
+others are planned around it; if the rank still does not fit, InfeasibleBudgetError names the
+rank's replayed peak under the plans reached (a budget that fits: those plans reach it exactly).
 """
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ from .pipeline import (PipelineScheduleError, RankStages, StageStep, StageTrace,
 log = logging.getLogger("remat.runtime")
 
 MAX_ROUNDS = 4
+FLOOR_SLACK = (1.0, 1.02, 1.05)
 WHAT = "the exact replay of the rank's whole step on fake tensors"
+REACHED = ("the rank's whole step replayed under the plans its stages reached: a budget that fits, not a searched "
+           "floor")
 
 
 class StageSetting(NamedTuple):
@@ -145,17 +149,23 @@ def _others_bytes(replay: RankReplay, i: int, regions: list) -> int:
 
 
 def _stage_plan(replay: RankReplay, a: Analysis, s: StageSetting, i: int, regions: list,
-                budget_bytes: int) -> tuple[Plan, InfeasibleBudgetError | None]:
-    """Stage i's plan given the others' current ones (its least-peak plan, and the refusal, when none fits)."""
+                budget_bytes: int) -> Plan | None:
+    """Stage i's plan given the others' current ones; when none fits, its plan at the floor the
+    refusal names, so that the others are planned around its least (None if that does not fit)."""
     cg = rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs)
     cg = replace(cg, fixed_bytes=cg.fixed_bytes + _others_bytes(replay, i, regions))
     measure = StageMeasure(replay, i, regions)
     try:
-        return solve_plan(cg, budget_bytes, s.options, a.traced.opaque, measure=measure, floor_if_needed=True), None
+        return solve_plan(cg, budget_bytes, s.options, a.traced.opaque, measure=measure, floor_if_needed=True)
     except InfeasibleBudgetError as e:
-        floor = solve_plan(cg, e.min_feasible_bytes, replace(s.options, find_min_feasible=False), a.traced.opaque,
-                           measure=measure)
-        return floor, e
+        floor = e.min_feasible_bytes
+    for slack in FLOOR_SLACK:      # the floor is the least-peak search's; the budget correction may miss it by a hair
+        try:
+            return solve_plan(cg, int(floor * slack), replace(s.options, find_min_feasible=False), a.traced.opaque,
+                              measure=measure)
+        except InfeasibleBudgetError:
+            pass
+    return None
 
 
 def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
@@ -170,19 +180,24 @@ def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
     budget_bytes = budget.resolve(replay(((),) * k))
     regions: list = [()] * k
     plans: list = [None] * k
-    refused: list = [None] * k
+    given: list = [None] * k        # the plans each stage was last solved given: none changed since, no solve
     for rounds in range(1, MAX_ROUNDS + 1):
         changed = False
         for i in range(k):
-            p, refused[i] = _stage_plan(replay, analyses[i], settings[i], i, regions, budget_bytes)
-            changed |= plans[i] is None or p.regions != regions[i]
-            plans[i], regions[i] = p, tuple(p.regions)
+            if given[i] == regions:
+                continue
+            given[i], p = list(regions), _stage_plan(replay, analyses[i], settings[i], i, regions, budget_bytes)
+            if p is not None:
+                changed |= plans[i] is None or p.regions != regions[i]
+                plans[i], regions[i] = p, tuple(p.regions)
+                given[i][i] = regions[i]
         if not changed:
             break
     peak = replay(tuple(regions))
     log.info("a rank of %d stages planned together in %d rounds: %d stage replays (%.1f s), peak %d of %d bytes",
              k, rounds, len(replay.traces), replay.seconds, peak, budget_bytes)
-    if peak > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, max([peak] + [e.min_feasible_bytes for e in refused if e]), WHAT)
+    if peak > budget_bytes or None in plans:
+        # the floor named: the rank's replayed peak under the plans reached (each refused stage at its own floor)
+        raise InfeasibleBudgetError(budget_bytes, max(peak, budget_bytes + 1), REACHED)
     margin = 1.0 + replay_margin(settings[0].options, StepFacts.of(analyses[0].cost_graph.meta).device)
     return [replace(p, predicted_peak_bytes=int(peak * margin), budget_bytes=budget_bytes) for p in plans]

@@ -293,8 +293,8 @@ def stage_trace(step: StageStep) -> StageTrace:
 
 # NOTE [ a rank of several stages ]
 # A rank running several stages (interleaved 1F1B) holds each stage's tensors apart: no stage
-# reads another's (the runtime sends a stage's output to the next stage's rank, even where that
-# is this rank, since interleaved stages are never adjacent: pipeline.rank_stages). Its live bytes
+# reads another's (a stage's output reaches the next stage by a send, never handed over in place:
+# rank_stages refuses adjacent stages on one rank). Its live bytes
 # at any moment are the sum of its stages' own, and a stage's own change only in its actions. So
 # each stage is replayed alone, its actions in the rank's order (`stage_trace`), and the rank's
 # peak is composed (`rank_step_peak`): during an action of stage s, s's peak in that action plus
