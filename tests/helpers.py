@@ -10,10 +10,13 @@ from unittest import mock
 
 import torch
 
-from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, analyze, solve_plan
+from remat.planner import InfeasibleBudgetError, PlanOptions, SolveOptions, TraceError, analyze, solve_plan
+from remat.planner.api import analyze_for
 from remat.planner.compat import tree_leaves
 from remat.planner.solve.ilp import ilp_peak_bytes
-from remat.runtime import examples, plan_and_wrap
+from remat.runtime import apply, examples, plan_and_wrap
+from remat.runtime.api import ExactReplay
+from remat.runtime.rewrite import REGION_PROBE
 from remat.runtime.measure import peak_memory, preserved
 
 
@@ -181,7 +184,8 @@ class Planned:
         """Parameters, grads, buffers and inputs plus `fraction` of the activation memory (the
         unplanned peak beyond them), as benchmarks/zoo.py plans the zoo."""
         fixed = fixed_bytes(self.pristine, self.example)
-        return int(fixed + fraction * (self.unplanned.remat.plan.unplanned_peak_bytes - fixed))
+        unplanned = self.unplanned.remat.plan if self.once is None else self.once.plan(UNPLANNED)
+        return int(fixed + fraction * (unplanned.unplanned_peak_bytes - fixed))
 
     def floor(self, fraction: float = 0.5) -> int:
         """The smallest feasible budget remat reports, planning at `activation_budget(fraction)`:
@@ -195,3 +199,69 @@ class Planned:
         w = self.at(1)
         assert isinstance(w, InfeasibleBudgetError), f"{self.name}: a budget of one byte was met"
         return w.min_feasible_bytes
+
+    @functools.cached_property
+    def once(self) -> "OneAnalysis | None":
+        """The model analysed once for every budget (NOTE [ one analysis, several budgets ]); None
+        when it has no graph (plan_and_wrap plans it over its module tree: `at` serves it)."""
+        try:
+            return OneAnalysis(copy.deepcopy(self.pristine), self.example)
+        except TraceError:
+            return None
+
+    def installed(self, budget_bytes: int):
+        """(wrapped, the budget it was planned at), as `fitted`, the plan made by `once` and installed
+        by remat.apply into an untouched copy; `fitted`'s own where the model has no graph."""
+        if self.once is None:
+            return self.fitted(budget_bytes)
+        plan = self.once.plan(budget_bytes)
+        if isinstance(plan, InfeasibleBudgetError):
+            budget_bytes = plan.min_feasible_bytes
+            plan = self.once.plan(budget_bytes)
+        assert not isinstance(plan, InfeasibleBudgetError), \
+            f"{self.name}: the smallest feasible budget {budget_bytes} B is infeasible too ({plan})"
+        ex = self.example
+        return apply(copy.deepcopy(self.pristine), plan, example_inputs=ex.inputs, example_kwargs=ex.kwargs,
+                     loss_fn=ex.loss_fn, options=FAST), budget_bytes
+
+    def floor_once(self, budget_bytes: int = 1) -> int:
+        """The smallest feasible budget remat reports planning at `budget_bytes` (`floor`'s, by
+        `once`'s plans): the refusal's; where that budget fits, the refusal of one byte's."""
+        plan = self.at if self.once is None else self.once.plan
+        w = plan(budget_bytes)
+        if not isinstance(w, InfeasibleBudgetError):
+            w = plan(1)
+        assert isinstance(w, InfeasibleBudgetError), f"{self.name}: a budget of one byte was met"
+        return w.min_feasible_bytes
+
+
+# NOTE [ one analysis, several budgets ]
+# plan_and_wrap captures and profiles the model at each call and replays the plans it tries in an
+# ExactReplay of its own: test_accuracy planned each model so at the unplanned budget, 50%, one
+# byte (the floor's search) and the floor, four captures, the floor's plans replayed twice (a
+# zoo case 15-32 s of a CI run). `OneAnalysis` analyses the model once as plan_and_wrap does
+# (analyze_for, the region probe) and solves each budget as runtime/planning.py's `_solved` does
+# (solve_plan with the exact replay, floor_if_needed), one ExactReplay for every budget: a plan's
+# replayed peak is a function of the analysis and its regions. Each plan is installed by
+# remat.apply into an untouched copy (a capture; no profile, no solve): the step measured is the
+# wrapped model's, as a user runs it. test_accuracy checks that this path and plan_and_wrap make
+# the same plan at 50%, so the two cannot drift apart unseen.
+class OneAnalysis:
+    """A model analysed once; its plans by budget (bytes), or the InfeasibleBudgetError."""
+
+    def __init__(self, model, example):
+        self.model = model          # analysed and replayed; never wrapped
+        self.analysis = analyze_for(model, tuple(example.inputs), dict(example.kwargs or {}), example.loss_fn,
+                                    FAST, None, REGION_PROBE)
+        self.replay = ExactReplay(model, self.analysis, example.loss_fn)
+        self._plans: dict[int, object] = {}
+
+    def plan(self, budget_bytes: int):
+        if budget_bytes not in self._plans:
+            a = self.analysis
+            try:
+                self._plans[budget_bytes] = solve_plan(a.cost_graph, budget_bytes, FAST, a.traced.opaque,
+                                                       measure=self.replay, floor_if_needed=True)
+            except InfeasibleBudgetError as e:
+                self._plans[budget_bytes] = e
+        return self._plans[budget_bytes]

@@ -22,9 +22,7 @@ import warnings
 import pytest
 import torch
 
-from remat.planner import analyze
 from remat.planner.solve.baselines import every_block
-from remat.planner.result import Plan
 from remat.runtime.examples import EXAMPLES
 from remat.runtime.rewrite import rewrite
 from benchmarks.zoo_models import ZOO
@@ -48,12 +46,13 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB"
 
 
-def _check(c: Planned, budgets: dict[str, int]) -> None:
-    """Plan at each budget (where none fits, at the floor the error names), measure, assert the
-    accuracy contract at all of them at once: the failure lists every budget's numbers."""
+def _check(c: Planned, budgets: dict[str, tuple]) -> None:
+    """Plan at each budget (label -> (how: Planned.fitted or .installed, bytes); where none fits, at
+    the floor the error names), measure, assert the accuracy contract at all of them at once: the
+    failure lists every budget's numbers."""
     rows, bad = [], []
-    for label, budget in budgets.items():
-        wrapped, planned_at = c.fitted(budget)
+    for label, (how, budget) in budgets.items():
+        wrapped, planned_at = how(budget)
         predicted = wrapped.remat.plan.predicted_peak_bytes
         measured = measured_peak(wrapped, c.example)
         ok = measured <= predicted <= TOLERANCE * measured
@@ -67,19 +66,39 @@ def _check(c: Planned, budgets: dict[str, int]) -> None:
                      f"{', '.join(bad)}:\n" + "\n".join(rows))
 
 
+def _same_plan(c: Planned, budget: int) -> None:
+    """plan_and_wrap and helpers.OneAnalysis make the same plan (NOTE [ one analysis, several
+    budgets ]): the other budgets are planned the second way."""
+    if c.once is None:
+        return
+    mine, theirs = c.once.plan(budget), c.at(budget)
+    if isinstance(theirs, Exception):
+        assert isinstance(mine, Exception) and mine.min_feasible_bytes == theirs.min_feasible_bytes, (mine, theirs)
+        return
+    theirs = theirs.remat.plan
+    assert not isinstance(mine, Exception), mine
+    assert (mine.regions, mine.predicted_peak_bytes) == (theirs.regions, theirs.predicted_peak_bytes), \
+        f"{c.name}: plan_and_wrap planned {theirs.summary()}\nhelpers.OneAnalysis planned {mine.summary()}"
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_builtin_predicted_peak_is_the_measured_peak(case, builtin, name):
     c, b = case(name), builtin(name)
     half = b.at(c.budget(0.5))
     assert not isinstance(half, Exception), half
-    _check(b, {"unplanned": UNPLANNED, "50%": c.budget(0.5), "smallest feasible": b.refused_floor()})
+    _same_plan(b, c.budget(0.5))
+    _check(b, {"unplanned": (b.installed, UNPLANNED), "50%": (b.fitted, c.budget(0.5)),
+               "smallest feasible": (b.installed, b.floor_once())})
 
 
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_predicted_peak_is_the_measured_peak(zoo_case, name):
     _needs(name)
     c = zoo_case(name)
-    _check(c, {"unplanned": UNPLANNED, "50% act.": c.activation_budget(0.5), "smallest feasible": c.floor(0.5)})
+    half = c.activation_budget(0.5)
+    _same_plan(c, half)
+    _check(c, {"unplanned": (c.installed, UNPLANNED), "50% act.": (c.fitted, half),
+               "smallest feasible": (c.installed, c.floor_once(half))})
 
 
 class _Graph(torch.nn.Module):
@@ -93,13 +112,14 @@ class _Graph(torch.nn.Module):
         return self.gm(**self.traced.inputs(self.model, args, kwargs))
 
 
-def every_block_peak(model, example) -> int:
-    """Measured peak of `model` with every block checkpointed: the every_block baseline, rewritten."""
-    a = analyze(model, example.inputs, example.kwargs, example.loss_fn)
+def every_block_peak(c: Planned) -> int:
+    """Measured peak of the model with every block checkpointed: the every_block baseline, rewritten
+    on the model's one analysis (helpers.OneAnalysis)."""
+    a, model = c.once.analysis, c.once.model
     regions = every_block(a.cost_graph)
     assert regions, "the model has repeated blocks"
-    gm = rewrite(model, a.traced.gm, regions, tuple(c.name for c in a.cost_graph.nodes))
-    return measured_peak(_Graph(model, gm, a.traced), example)
+    gm = rewrite(model, a.traced.gm, regions, tuple(n.name for n in a.cost_graph.nodes))
+    return measured_peak(_Graph(model, gm, a.traced), c.example)
 
 
 def hf_per_block_peak(model, example) -> int:
@@ -122,14 +142,13 @@ def _check_floor(name: str, floor: int, baselines: dict[str, int]) -> None:
 def test_zoo_floor_is_not_above_checkpointing_every_block(zoo_case, name):
     _needs(name)
     c = zoo_case(name)
-    baselines = {"every block checkpointed": every_block_peak(copy.deepcopy(c.pristine), c.example)}
+    baselines = {"every block checkpointed": every_block_peak(c)}
     if name in HF:
         baselines["HF gradient_checkpointing_enable()"] = hf_per_block_peak(copy.deepcopy(c.pristine), c.example)
-    _check_floor(name, c.floor(0.5), baselines)
+    _check_floor(name, c.floor_once(c.activation_budget(0.5)), baselines)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_builtin_floor_is_not_above_checkpointing_every_block(case, builtin, name):
-    c, b = case(name), builtin(name)
-    floor = b.refused_floor()
-    _check_floor(name, floor, {"every block checkpointed": every_block_peak(copy.deepcopy(b.pristine), b.example)})
+def test_builtin_floor_is_not_above_checkpointing_every_block(builtin, name):
+    b = builtin(name)
+    _check_floor(name, b.floor_once(), {"every block checkpointed": every_block_peak(b)})
