@@ -33,24 +33,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.pipeline_run import D, MB, MULTI_STAGE, SCHEDULES, SEQ, config, run_many, stages  # noqa: E402
 from remat.planner import analyze  # noqa: E402
-from remat.planner.result import Region  # noqa: E402
-from remat.planner.solve.baselines import every_block  # noqa: E402
 from remat.planner.solve.simulate import timeline  # noqa: E402
-
+from remat.runtime.distributed.interleaved import uniform_regions  # noqa: E402
 
 
 def _median(seconds: list[float]) -> float:
     return statistics.median(seconds[1:] or seconds)
-
-
-def _per_block(cg) -> tuple:
-    """Every block of a stage checkpointed (`every_block`), a stage of one block too (no list of
-    two to find: its `blocks.0` nodes)."""
-    found = every_block(cg)
-    if found:
-        return found
-    nodes = [i for i, c in enumerate(cg.nodes) if c.module.startswith("blocks.")]
-    return (Region(min(nodes), max(nodes)),) if nodes else ()
 
 
 def uniform_extra(schedule: str, rank: int, n_ranks: int = 2) -> float:
@@ -63,7 +51,7 @@ def uniform_extra(schedule: str, rank: int, n_ranks: int = 2) -> float:
     for i in range(rank, n, n_ranks):
         x = torch.zeros(MB, SEQ, dtype=torch.long) if i == 0 else torch.zeros(MB, SEQ, D, requires_grad=True)
         cg = analyze(every[i], (x,)).cost_graph
-        recompute += timeline(cg, _per_block(cg)).recompute_s
+        recompute += timeline(cg, uniform_regions(cg)).recompute_s
         forward += sum(c.cost_s for c in cg.nodes)
     return 100.0 * recompute / forward
 
