@@ -396,8 +396,8 @@ def config(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, 
            refuse: bool = False) -> dict:
     """One run's settings, as `run` takes them (its keyword arguments); `run_many` runs several
     in one spawn of the ranks."""
-    if schedule not in SCHEDULES and not refuse:
-        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
+    if schedule not in SCHEDULES + ("zero-bubble",) and not refuse:
+        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES + ('zero-bubble',)}")
     return dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan or refuse,
                 steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
                 layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs, trace=trace,
@@ -411,7 +411,7 @@ def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, bud
     """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a rank)
     on `n_stages` gloo ranks under `schedule` ("gpipe", "1f1b", or "interleaved": each rank holds
     2 stages of `layers_per_stage` / 2 blocks, stages r and r + n_stages, under
-    ScheduleInterleaved1F1B) with `n_microbatches` micro-batches of MB rows (the same global batch
+    ScheduleInterleaved1F1B; "zero-bubble": the same stages under ScheduleInterleavedZeroBubble) with `n_microbatches` micro-batches of MB rows (the same global batch
     each step). With `plan`, each rank plans its stage module with `plan_and_wrap(module, budget,
     example_inputs=(one micro-batch,), schedule=schedule)` (an interleaved rank: its first stage's
     module, which plans both) (`budget`: bytes, or a string such as "60%"); `checkpoint_blocks`

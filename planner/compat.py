@@ -32,7 +32,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
 
@@ -146,6 +146,22 @@ def schedule_rank_order(schedule) -> tuple[tuple[str, int, int], ...] | None:
             if c.computation_type.value in ("F", "B", "I", "W"):
                 out.append((c.computation_type.value, c.stage_index, c.microbatch_index))
     return tuple(out)
+
+
+def stage_backward_input(outputs: list, output_grads: list | None, inputs: list, weights) -> list:
+    """A zero-bubble backward's input part, as torch's pipelining runtime runs it
+    (torch.distributed.pipelining._backward.stage_backward_input: the inputs' gradients into their
+    `.grad`, the graph kept for the weight part, the outputs detached): its param groups, for
+    `stage_backward_weight`."""
+    from torch.distributed.pipelining._backward import stage_backward_input as run
+    return run(outputs, output_grads, inputs, weights)[1]
+
+
+def stage_backward_weight(weights, param_groups: list) -> None:
+    """A zero-bubble backward's weight part (torch.distributed.pipelining._backward.stage_backward_weight):
+    the parameters' gradients from what the input part kept."""
+    from torch.distributed.pipelining._backward import stage_backward_weight as run
+    run(weights, param_groups)
 
 
 def stage_input_metas(stage) -> tuple[tuple[torch.Size, torch.dtype], ...] | None:

@@ -54,7 +54,9 @@ class PipelineRank:
     rank's whole schedule.step, each of its micro-batches run by the stage module."""
 
     actions: tuple[tuple[str, int], ...]
-    """The rank's forward ("F") and backward ("B") of each micro-batch, in the schedule's order."""
+    """The rank's forward ("F") and backward ("B") of each micro-batch, in the schedule's order;
+    under zero bubble a backward is split into its input part ("I") and its weight part ("W"),
+    the micro-batch in flight until its "W"."""
     n_microbatches: int
     first: bool
     """The first stage: its inputs are the batch's micro-batches (no gradients); a later stage
@@ -100,9 +102,10 @@ class PipelineRank:
     def of_rank_order(cls, order: tuple[tuple[str, int, int], ...], stage: int, n_stages: int,
                       n_microbatches: int) -> "PipelineRank":
         """Stage `stage`'s part of a rank's order under torch's multi-stage runtime (interleaved
-        1F1B: (kind, stage index, micro-batch) per forward "F" and backward "B", several stages
-        on the rank): every send is waited for, and kept, to the step's end (forwards' outputs,
-        backwards' input gradients), and the latest output is not held past its forward."""
+        1F1B: (kind, stage index, micro-batch) per forward "F" and backward "B", or input "I" and
+        weight "W" backward parts under zero bubble; several stages on the rank): every send is
+        waited for, and kept, to the step's end (forwards' outputs, backwards' input gradients),
+        and the latest output is not held past its forward."""
         n, last = n_microbatches, stage == n_stages - 1
         acts = tuple((kind, m) for kind, s, m in order if s == stage)
         sends = () if last else tuple((m, n) for m in range(n))
@@ -112,17 +115,20 @@ class PipelineRank:
         """The most micro-batches between their forward and their backward at once."""
         live, most = 0, 0
         for kind, _ in self.actions:
-            live += 1 if kind == "F" else -1
+            live += {"F": 1, "I": 0}.get(kind, -1)
             most = max(most, live)
         return most
 
     def others_in_flight(self) -> tuple[int, int, int, int]:
         """The most *other* micro-batches in flight during a forward before any backward, a forward
         after one, the first backward, a later backward; -1 where there is no such action
-        (CostGraph.inflight)."""
+        (CostGraph.inflight). A split backward counts as one at its weight part ("W"), the
+        micro-batch in flight until then (its input part, "I", holds no fewer others)."""
         most = [-1, -1, -1, -1]
         live, backwards = 0, 0
         for kind, _ in self.actions:
+            if kind == "I":
+                continue
             if kind == "F":
                 k = 0 if backwards == 0 else 1
                 most[k] = max(most[k], live)

@@ -172,6 +172,26 @@ def test_a_schedules_micro_batches_in_flight():
     assert PipelineRank.one_stage("1f1b", 1, 2, 4).actions == last.actions
 
 
+def test_a_split_backward_keeps_its_micro_batch_in_flight_until_its_weight_part():
+    """Zero bubble's order (rank 0 of 2, stages 0 and 2 of 4, 4 micro-batches, as torch's
+    ScheduleInterleavedZeroBubble runs them): a micro-batch is in flight from its "F" to its "W"
+    (counted directly, action by action), and the others in flight at each phase are those of the
+    same order with each "I" left out and each "W" a backward."""
+    order = [(a[1], int(a[0]), int(a[2])) for a in "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 "
+             "0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 0I3 0W3".split()]
+    for stage in (0, 2):
+        rank = PipelineRank.of_rank_order(tuple(order), stage, 4, 4)
+        live, most = set(), 0
+        for kind, m in rank.actions:
+            live = live | {m} if kind == "F" else live - {m} if kind == "W" else live
+            most = max(most, len(live))
+        assert rank.in_flight() == most
+        whole = PipelineRank(tuple(("B" if k == "W" else k, m) for k, m in rank.actions if k != "I"), 4,
+                             rank.first, rank.last)
+        assert rank.others_in_flight() == whole.others_in_flight()
+    assert PipelineRank.of_rank_order(tuple(order), 2, 4, 4).in_flight() == 2
+
+
 def test_the_docs_table_is_the_benchmarks_current_file():
     """docs/pipeline.md's table is benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
     every row's bytes and extra compute are the results file's, row for row, and every row of the

@@ -34,8 +34,13 @@ them before its first backward, under 1F1B at most (stages - stage index). Under
 multi-stage runtime (interleaved 1F1B) every send is waited for at the step's end: each forward's
 output and each backward's input gradients are held to then, and no `output` local outlives its
 forward (`PipelineRank.of_rank_order`); a rank's stages hold their tensors apart (NOTE [ a rank
-of several stages ]). Schedules that split backward into input and weight parts (zero bubble,
-DualPipeV) and other multi-stage ones (looped BFS) are refused by name.
+of several stages ]). Under zero bubble (ScheduleInterleavedZeroBubble) a backward is split into
+its input part "I" and weight part "W", run as the runtime runs them (torch's stage_backward_input
+and stage_backward_weight, through planner.compat): between them a stage before the first keeps
+the graph the weight part needs (param groups, and what the regions recomputed for the input
+part), the last stage its loss, not its output; the first stage computes nothing at "I" and
+the whole backward at "W". Other schedules that split backward (ZBV, DualPipeV: adjacent stages
+on a rank, overlapped actions) and other multi-stage ones (looped BFS) are refused by name.
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from remat.planner.compat import schedule_microbatches, schedule_rank_order, schedule_stages, tree_map
+from remat.planner.compat import (schedule_microbatches, schedule_rank_order, schedule_stages, stage_backward_input,
+                                  stage_backward_weight, tree_map)
 from remat.planner.errors import RematError
 from remat.planner.options import PipelineRank
 from remat.planner.profile.opaque import step_held
@@ -61,8 +67,9 @@ from ..measure.replay import _standing_in
 ONE_STAGE = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 # torch's multi-stage schedules planned: their order is read off the schedule (`pipeline_order_with_comms`,
 # micro-batches numbered from 0 on every rank on torch 2.13)
-MULTI_STAGE = ("ScheduleInterleaved1F1B",)
-SUPPORTED = "ScheduleGPipe, Schedule1F1B (one stage per rank) and ScheduleInterleaved1F1B (several)"
+MULTI_STAGE = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+SUPPORTED = ("ScheduleGPipe, Schedule1F1B (one stage per rank), ScheduleInterleaved1F1B and "
+             "ScheduleInterleavedZeroBubble (several)")
 
 
 class PipelineScheduleError(RematError, TypeError):
@@ -106,9 +113,9 @@ def rank_stages(schedule, stage_module: torch.nn.Module) -> RankStages:
     does not plan."""
     name = type(schedule).__name__
     order = schedule_rank_order(schedule) or ()
-    if any(kind in ("I", "W") for kind, _, _ in order):
-        raise PipelineScheduleError(f"{name} splits backward into input and weight parts (zero bubble): remat "
-                                    f"plans {SUPPORTED} so far")
+    if name not in MULTI_STAGE and any(kind in ("I", "W") for kind, _, _ in order):
+        raise PipelineScheduleError(f"{name} splits backward into input and weight parts as remat does not model "
+                                    f"(yet): remat plans {SUPPORTED} so far")
     if name not in MULTI_STAGE:
         raise PipelineScheduleError(f"{name}: remat plans {SUPPORTED} so far")
     stages = tuple(sorted(schedule_stages(schedule), key=lambda st: st.stage_index))
@@ -184,6 +191,7 @@ class _Rank:
         self.sent: dict[int, object] = {}    # outputs pending sends hold (PipelineRank.sends)
         self.grad_sends: list = []           # input grads pending sends hold (PipelineRank.keeps_input_grads)
         self.loss_reads = 0      # the other micro-batches' targets (`_loss_reads`)
+        self.split: dict[int, tuple] = {}    # a split backward's input part done, its weight part to come
 
     def start(self, grad_shapes: list) -> None:
         """Every micro-batch's inputs (the first is the fake step's), and a stage's output-grad buffers."""
@@ -234,22 +242,55 @@ class _Rank:
 
     def backward(self, m: int) -> None:
         out, loss = self.cache.pop(m)
+        self._whole_backward(m, out, loss)
+        self._sent_back(m)
+
+    def _whole_backward(self, m: int, out, loss) -> None:
         with self.fake.reads():
             if loss is not None:
                 loss.backward()
             else:
                 outs = [t for t in tensors(out) if t.requires_grad]
                 torch.autograd.backward(outs, self.grads[m][:len(outs)])
+
+    def _sent_back(self, m: int) -> None:
+        """After micro-batch m's backward (or its input part): the sends it ends dropped, and
+        its input grads out of the receive buffers into their sends (stage_backward: `val.grad = None`)."""
         for k, until in self.rank.sends:
             if until == m:
                 self.sent.pop(k, None)
-        # the input grads leave the receive buffers for their sends (stage_backward: `val.grad = None`)
         grads = []
         for x in tensors(self.inputs[m]):
             if x.grad is not None:
                 grads.append(x.grad)
                 x.grad = None
         self.grad_sends = self.grad_sends + [grads] if self.rank.keeps_input_grads else [grads]
+
+    def input_backward(self, m: int) -> None:
+        """A split backward's input part ("I", zero bubble), as torch's runtime runs it: on the
+        first stage nothing (its "W" runs the whole backward), else the inputs' gradients with the
+        graph kept for the weight part (compat.stage_backward_input)."""
+        out, loss = self.cache.pop(m)
+        groups = None
+        if not self.rank.first:
+            outs = [loss] if loss is not None else [t for t in tensors(out) if t.is_floating_point()]
+            with self.fake.reads():
+                groups = stage_backward_input(outs, None if loss is not None else self.grads[m],
+                                              list(tensors(self.inputs[m])), self.gm.parameters())
+        # the runtime keeps the last stage's loss, not its output (`backward_state`: the stage output it
+        # backwards from), to the weight part
+        self.split[m] = (None if self.rank.last and not self.rank.first else out, loss, groups)
+        self._sent_back(m)
+
+    def weight_backward(self, m: int) -> None:
+        """A split backward's weight part ("W"): the parameters' gradients from what its input
+        part kept (compat.stage_backward_weight); on the first stage, the whole backward."""
+        out, loss, groups = self.split.pop(m)
+        if self.rank.first:
+            self._whole_backward(m, out, loss)
+            return
+        with self.fake.reads():
+            stage_backward_weight(self.gm.parameters(), groups)
 
 
 def rank_peak(gm: torch.nn.Module, kwargs: dict, loss_fn, rank: PipelineRank, opaque: tuple[str, ...] = (),
@@ -278,8 +319,8 @@ def stage_trace(step: StageStep) -> StageTrace:
             with LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter, step_held():
                 stage = _Rank(step.gm, fake, fake.inputs, step.loss_fn, step.rank, meter)
                 calls = [functools.partial(stage.start, shapes)]
-                calls += [functools.partial(stage.forward if kind == "F" else stage.backward, m)
-                          for kind, m in step.rank.actions]
+                run = {"F": stage.forward, "B": stage.backward, "I": stage.input_backward, "W": stage.weight_backward}
+                calls += [functools.partial(run[kind], m) for kind, m in step.rank.actions]
                 before, peaks, levels = meter.live_bytes, [], []
                 for call in calls + [stage.finish]:
                     meter.reset_peak()
