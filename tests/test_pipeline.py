@@ -377,7 +377,7 @@ def test_an_interleaved_rank_recomputes_no_more_than_per_block_at_its_peak():
     assert all(uniform)
     replay = interleaved.RankReplay(settings, analyses, order)
     budget = replay(uniform)
-    plans = interleaved.plan_rank(settings, order, StepBudget.of(budget / 1e9))
+    plans = interleaved.plan_replayed(replay, settings, StepBudget.of(budget / 1e9))     # plan_rank's, its replays kept
     regions = tuple(tuple(p.regions) for p in plans)
     assert all(p.budget_bytes == budget and p.predicted_peak_bytes == replay(regions) <= budget for p in plans)
     ours = sum(timeline(cg, r).recompute_s for cg, r in zip(graphs, regions))

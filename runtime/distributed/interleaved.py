@@ -259,7 +259,12 @@ def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
     plan's prediction is the rank's replayed peak under all of them."""
     analyses = [analyze_for(s.module, s.args, s.kwargs, s.loss_fn, s.options, optimizer, REGION_PROBE)
                 for s in settings]
-    replay = RankReplay(settings, analyses, order)
+    return plan_replayed(RankReplay(settings, analyses, order), settings, budget)
+
+
+def plan_replayed(replay: RankReplay, settings: list[StageSetting], budget: StepBudget) -> list[Plan]:
+    """`plan_rank` on the stages' analyses as `replay` holds them (its replays kept and reused)."""
+    analyses = [r.analysis for r in replay.stages]
     graphs = [rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs) for s, a in zip(settings, analyses)]
     k = len(settings)
     budget_bytes = budget.resolve(replay(((),) * k))
