@@ -1,7 +1,7 @@
 """Pipeline parallelism (issue 44): remat's per-stage plans against uniform per-block checkpointing.
 
-For each schedule (GPipe, 1F1B: a stage a rank; Interleaved1F1B: 2 stages a rank, stages r and
-r + 2 of 4) on 2 gloo ranks (a tiny 4-block GPT split by blocks, 4 micro-batches:
+For each schedule (GPipe, 1F1B: a stage a rank; Interleaved1F1B and InterleavedZeroBubble: 2
+stages a rank, stages r and r + 2 of 4) on 2 gloo ranks (a tiny 4-block GPT split by blocks, 4 micro-batches:
 benchmarks/pipeline_run.py), the uniform policy every framework applies (every block of every
 stage under torch.utils.checkpoint) sets the budget: its largest per-rank peak. remat then plans
 each rank for that same per-rank budget (`plan_and_wrap(stage_module, budget, schedule=...)`; an
@@ -11,7 +11,8 @@ dispatcher), remat's prediction, the plan's estimated extra compute (recomputed 
 the rank's forward, its stages' summed), and seconds per step (median of the steps after the
 first). Timings are this machine's (2 shared cores): a ratio in one run.
 
-    python benchmarks/pipeline.py [--steps 6] [--schedules gpipe 1f1b interleaved] [--out benchmarks/results/pipeline.md]
+    python benchmarks/pipeline.py [--steps 6] [--schedules gpipe 1f1b interleaved zero-bubble]
+        [--out benchmarks/results/pipeline.md]
 
 Regenerate the results file on an idle machine (every schedule, and the 70B job):
 `python benchmarks/pipeline.py --steps 6 --job --out benchmarks/results/pipeline.md`.
@@ -35,6 +36,9 @@ from benchmarks.pipeline_run import D, MB, MULTI_STAGE, SCHEDULES, SEQ, config, 
 from remat.planner import analyze  # noqa: E402
 from remat.planner.solve.simulate import timeline  # noqa: E402
 from remat.runtime.distributed.interleaved import uniform_regions  # noqa: E402
+
+
+BENCHED = SCHEDULES + ("zero-bubble",)     # ScheduleInterleavedZeroBubble: the tests plan it at 90%, not here
 
 
 def _median(seconds: list[float]) -> float:
@@ -112,8 +116,9 @@ def main(argv=None) -> int:
         "The results file and docs/pipeline.md's table come from an idle machine: python benchmarks/pipeline.py "
         "--steps 6 --job --out benchmarks/results/pipeline.md"))
     ap.add_argument("--steps", type=int, default=6, help="steps per run (the timings: the median after the first)")
-    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
-                    help="the schedules compared (default: all; interleaved: 2 stages a rank, planned together)")
+    ap.add_argument("--schedules", nargs="+", default=list(BENCHED), choices=BENCHED,
+                    help="the schedules compared (default: all; interleaved and zero-bubble: 2 stages a rank, "
+                         "planned together)")
     ap.add_argument("--out", default=None, help="write the results markdown here")
     ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")
     a = ap.parse_args(argv)
@@ -123,7 +128,8 @@ def main(argv=None) -> int:
     whole = job() if a.job else ""
     text = (f"# Pipeline parallelism: remat per stage against per-block checkpointing\n\n"
             f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
-            f"rank: one stage, or under interleaved 1F1B two of one block), 4 micro-batches of 2x32 tokens; budget: "
+            f"rank: one stage, or under interleaved 1F1B and zero bubble two of one block), 4 micro-batches of "
+            f"2x32 tokens; budget: "
             f"the per-block policy's largest per-rank peak; extra compute: of the rank's forward. "
             f"`python benchmarks/pipeline.py --steps {a.steps} --schedules {' '.join(a.schedules)}"
             f"{' --job' if a.job else ''}` (the gloo runs "
