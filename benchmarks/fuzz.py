@@ -1395,10 +1395,13 @@ def combine(logs: list[str], out: str | None) -> int:
     for r in failed:
         for k in sorted({kind_of(f) for f in r["failures"]}):
             kinds[k].append(r["seed"])
-    lines += ["", "| failure kind | cases | seeds |", "|---|---|---|"]
-    lines += [f"| {k} | {len(s)} | {', '.join(map(str, s[:40]))}{' ...' if len(s) > 40 else ''} |"
-              for k, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
-    lines += ["", "## Failing seeds", ""]
+    if not failed:
+        lines += ["", "No case failed: every check held on every case."]
+    else:
+        lines += ["", "| failure kind | cases | seeds |", "|---|---|---|"]
+        lines += [f"| {k} | {len(s)} | {', '.join(map(str, s[:40]))}{' ...' if len(s) > 40 else ''} |"
+                  for k, s in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+        lines += ["", "## Failing seeds", ""]
     for r in failed:
         lines.append(f"- **{r['seed']}** `{r['summary']}`")
         lines += [f"  - {f[:500]}" for f in r["failures"]]
