@@ -1,7 +1,7 @@
 """Pipeline parallelism (issue 44): remat's per-stage plans against uniform per-block checkpointing.
 
 For each schedule (GPipe, 1F1B: a stage a rank; Interleaved1F1B and InterleavedZeroBubble: 2
-stages a rank, stages r and r + 2 of 4) on 2 gloo ranks (a tiny 4-block GPT split by blocks, 4 micro-batches:
+stages a rank, stages r and r + 2 of 4; ZBVZeroBubble and DualPipeV: stages r and 3 - r) on 2 gloo ranks (a tiny 4-block GPT split by blocks, 4 micro-batches:
 benchmarks/pipeline_run.py), the uniform policy every framework applies (every block of every
 stage under torch.utils.checkpoint) sets the budget: its largest per-rank peak. remat then plans
 each rank for that same per-rank budget (`plan_and_wrap(stage_module, budget, schedule=...)`; an
@@ -11,7 +11,7 @@ dispatcher), remat's prediction, the plan's estimated extra compute (recomputed 
 the rank's forward, its stages' summed), and seconds per step (median of the steps after the
 first). Timings are this machine's (2 shared cores): a ratio in one run.
 
-    python benchmarks/pipeline.py [--steps 6] [--schedules gpipe 1f1b interleaved zero-bubble]
+    python benchmarks/pipeline.py [--steps 6] [--schedules gpipe 1f1b interleaved zero-bubble zbv dualpipev]
         [--out benchmarks/results/pipeline.md]
 
 Regenerate the results file on an idle machine (every schedule, and the 70B job):
@@ -32,13 +32,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.pipeline_run import D, MB, MULTI_STAGE, SCHEDULES, SEQ, config, run_many, stages  # noqa: E402
+from benchmarks.pipeline_run import (D, MB, MULTI_STAGE, SCHEDULES, SEQ, V_SHAPED, config, held_stages,  # noqa: E402
+                                     run_many, stages)
 from remat.planner import analyze  # noqa: E402
 from remat.planner.solve.simulate import timeline  # noqa: E402
 from remat.runtime.distributed.interleaved import uniform_regions  # noqa: E402
 
 
-BENCHED = SCHEDULES + ("zero-bubble",)     # ScheduleInterleavedZeroBubble: the tests plan it at 90%, not here
+# ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV: the tests plan them at 90%, not here
+BENCHED = SCHEDULES + ("zero-bubble",) + V_SHAPED
 
 
 def _median(seconds: list[float]) -> float:
@@ -52,7 +54,7 @@ def uniform_extra(schedule: str, rank: int, n_ranks: int = 2) -> float:
     n = n_ranks * per
     every = stages("gpt", n, 2 // per)
     recompute, forward = 0.0, 0.0
-    for i in range(rank, n, n_ranks):
+    for i in held_stages(schedule, rank, n_ranks):
         x = torch.zeros(MB, SEQ, dtype=torch.long) if i == 0 else torch.zeros(MB, SEQ, D, requires_grad=True)
         cg = analyze(every[i], (x,)).cost_graph
         recompute += timeline(cg, uniform_regions(cg)).recompute_s
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         "--steps 6 --job --out benchmarks/results/pipeline.md"))
     ap.add_argument("--steps", type=int, default=6, help="steps per run (the timings: the median after the first)")
     ap.add_argument("--schedules", nargs="+", default=list(BENCHED), choices=BENCHED,
-                    help="the schedules compared (default: all; interleaved and zero-bubble: 2 stages a rank, "
+                    help="the schedules compared (default: all; interleaved, zero-bubble, zbv, dualpipev: 2 stages a rank, "
                          "planned together)")
     ap.add_argument("--out", default=None, help="write the results markdown here")
     ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")

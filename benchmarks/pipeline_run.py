@@ -10,7 +10,8 @@ rank, and metered step by step.
 `run` spawns one process per rank (torch.multiprocessing, gloo over a FileStore in a temporary
 directory) and returns one dict per rank (see `run`); `run_many` runs several configurations in
 one spawn, in turn. Each step is metered whole with
-`remat.runtime.measure.peak_memory`, counting as live from its start what the rank holds before it
+`remat.runtime.measure.peak_memory`'s meter (`_metered`: holding no reference to what it counts, as
+a V-shaped schedule's middle rank drops receive buffers mid-step), counting as live from its start what the rank holds before it
 (`live_before`: parameters, the stage's receive buffers and what else persists between steps).
 
 NOTE [ what a pipeline rank holds between steps ]
@@ -200,7 +201,9 @@ def held(stages: list, schedule, modules: list[nn.Module], opt, inputs) -> tuple
     kinds["other"] = [t for t in rest if id(t.untyped_storage()) not in known]
     out, seen = {}, set()
     tensors = []
-    for k, ts in kinds.items():
+    # a V's middle rank: a buffer's gradient is also the previous stage's gradient buffer, which
+    # persists: a storage goes to the first kind that persists, TRANSIENT ones last
+    for k, ts in sorted(kinds.items(), key=lambda kv: kv[0] in TRANSIENT):
         fresh = []
         for t in ts:
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -210,22 +213,48 @@ def held(stages: list, schedule, modules: list[nn.Module], opt, inputs) -> tuple
         out[k] = _nbytes(fresh)
         if k not in TRANSIENT:
             tensors += fresh
+    out = {k: out[k] for k in kinds}
     out["total"] = sum(out.values())
     return out, tensors
+
+
+def _metered(step, modules: list[nn.Module], live: list[torch.Tensor]) -> int:
+    """`peak_memory`'s meter of `step`: what the rank holds before it (`modules`' parameters and
+    buffers, and `live`, emptied here) counted from its start, as the meter tracks it, weakly: a
+    V-shaped schedule's middle rank drops its receive buffers during the step (NOTE [ a V's
+    handover ] in runtime/distributed/pipeline.py), and a reference held here would keep them."""
+    from remat.runtime.measure import peak as peak_mod
+    baseline = [t for m in modules for t in list(m.parameters()) + list(m.buffers())] + live
+    live.clear()
+    meter = peak_mod.StorageMeter(baseline=baseline)
+    del baseline
+    with meter, peak_mod.resizes_seen(meter):
+        step()
+    return meter.peak_bytes
 
 
 # ---------------------------------------------------------------- one rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-MULTI_STAGE = {"interleaved": 2, "zero-bubble": 2}     # stages a rank holds: stages r and r + ranks
+MULTI_STAGE = {"interleaved": 2, "zero-bubble": 2, "zbv": 2, "dualpipev": 2}     # stages a rank holds
+V_SHAPED = ("zbv", "dualpipev")      # rank r of R holds stages r and 2R - 1 - r (the others: r and r + R)
+MORE = ("zero-bubble",) + V_SHAPED   # schedules `config` takes beyond SCHEDULES
+
+
+def held_stages(schedule: str, rank: int, n_ranks: int) -> list[int]:
+    """The stage indices rank `rank` of `n_ranks` holds under `schedule`, ascending."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * n_ranks - 1 - rank]
+    return list(range(rank, n_ranks * MULTI_STAGE.get(schedule, 1), n_ranks))
 START_METHOD = os.environ.get("REMAT_PIPELINE_START", "fork")   # fork: no re-import per rank (seconds a run)
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-            "zero-bubble": ScheduleInterleavedZeroBubble}[name]
+            "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+            "dualpipev": ScheduleDualPipeV}[name]
 
 
 def _rank(rank: int, cfgs: list[dict], store_path: str, out_dir: str) -> None:
@@ -253,7 +282,7 @@ def _build(rank: int, cfg: dict) -> tuple[list[nn.Module], list, object, list[to
     every = stages(cfg["model"], n, cfg["layers_per_stage"] // per, cfg["seed"], cfg["checkpoint_blocks"])
     tokens, _ = batch(1, cfg["seed"])
     modules, pstages, examples = [], [], []
-    for i in range(rank, n, n_ranks):
+    for i in held_stages(cfg["schedule"], rank, n_ranks):
         first, last = i == 0, i == n - 1
         example_in = tokens[:MB] if first else torch.zeros(MB, SEQ, D)
         # static metadata (no inference step): inputs and outputs that need grad, on the meta device
@@ -298,8 +327,6 @@ def _plan(res: dict, modules: list, pstages: list, schedule, examples: list, opt
 
 
 def _rank_steps(rank: int, cfg: dict) -> dict:
-    from remat.runtime.measure.peak import peak_memory
-
     modules, pstages, schedule, examples = _build(rank, cfg)
     first, last = pstages[0].is_first, pstages[-1].is_last
     tokens, targets = batch(cfg["n_microbatches"], cfg["seed"])
@@ -334,7 +361,7 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
 
         t0 = time.perf_counter()
         with _traced(pstages, res["trace"]) if cfg["trace"] else _nothing():
-            peak = peak_memory(step, *modules, *live_tensors)
+            peak = _metered(step, modules, live_tensors)
         res["seconds"].append(time.perf_counter() - t0)
         res["peaks"].append(peak)
         res["live_before"].append(live)
@@ -396,8 +423,8 @@ def config(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, 
            refuse: bool = False) -> dict:
     """One run's settings, as `run` takes them (its keyword arguments); `run_many` runs several
     in one spawn of the ranks."""
-    if schedule not in SCHEDULES + ("zero-bubble",) and not refuse:
-        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES + ('zero-bubble',)}")
+    if schedule not in SCHEDULES + MORE and not refuse:
+        raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES + MORE}")
     return dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan or refuse,
                 steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
                 layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs, trace=trace,
@@ -411,7 +438,8 @@ def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, bud
     """Run `steps` pipeline steps of `model` ("gpt" or "llama", `layers_per_stage` blocks a rank)
     on `n_stages` gloo ranks under `schedule` ("gpipe", "1f1b", or "interleaved": each rank holds
     2 stages of `layers_per_stage` / 2 blocks, stages r and r + n_stages, under
-    ScheduleInterleaved1F1B; "zero-bubble": the same stages under ScheduleInterleavedZeroBubble) with `n_microbatches` micro-batches of MB rows (the same global batch
+    ScheduleInterleaved1F1B; "zero-bubble": the same stages under ScheduleInterleavedZeroBubble;
+    "zbv", "dualpipev": stages r and 2 * n_stages - 1 - r under ScheduleZBVZeroBubble, ScheduleDualPipeV) with `n_microbatches` micro-batches of MB rows (the same global batch
     each step). With `plan`, each rank plans its stage module with `plan_and_wrap(module, budget,
     example_inputs=(one micro-batch,), schedule=schedule)` (an interleaved rank: its first stage's
     module, which plans both) (`budget`: bytes, or a string such as "60%"); `checkpoint_blocks`

@@ -294,7 +294,8 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
     tried is compiled and measured with real steps on the example inputs, since Inductor decides
     what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B,
-    Interleaved1F1B; `model` runs a stage of it): the rank's whole step is planned (docs/pipeline.md).
+    Interleaved1F1B, the zero-bubble and V-shaped ones; `model` runs a stage of it): the rank's
+    whole step is planned (docs/pipeline.md).
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
     them (`Remat.time_plan`): `plan.facts.timing`, and a line of `plan.summary()`, give the
@@ -385,7 +386,7 @@ def pipeline_rank(model: torch.nn.Module, schedule, budget: Budget, example_inpu
             dropin.remove(s.module)
     step_budget = StepBudget.of(budget)
     with step_budget.errors_spelled():
-        plans = interleaved.plan_rank(settings, rs.order, step_budget, optimizer)
+        plans = interleaved.plan_rank(settings, rs.order, step_budget, optimizer, rs.handovers)
     for s, p in zip(settings, plans):
         state = Remat(s.module, Budget("bytes", float(p.budget_bytes)), s.loss_fn, s.options, None, optimizer)
         with _installed(s.module, state):

@@ -195,7 +195,7 @@ def test_a_split_backward_keeps_its_micro_batch_in_flight_until_its_weight_part(
 def test_the_docs_table_is_the_benchmarks_current_file():
     """docs/pipeline.md's table is benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
     every row's bytes and extra compute are the results file's, row for row, and every row of the
-    results file (GPipe, 1F1B, Interleaved, Zero-bubble: the schedules it was run with) is shown."""
+    results file (GPipe, 1F1B, Interleaved, Zero-bubble, ZBV, DualPipeV: the schedules it was run with) is shown."""
     import pathlib
     import re
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -204,7 +204,7 @@ def test_the_docs_table_is_the_benchmarks_current_file():
     rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
         r"^\| ([\w-]+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
         results, re.M)}
-    shown = re.findall(r"^\| (GPipe|1F1B|Interleaved|Zero-bubble) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
+    shown = re.findall(r"^\| (GPipe|1F1B|Interleaved|Zero-bubble|ZBV|DualPipeV) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
                        r"([\d.]+%) \| ([\d.]+%) \|$", docs, re.M)
     assert rows and len(shown) == len(rows)
     assert {(sched.lower(), rank) for sched, rank, *_ in shown} == rows.keys()

@@ -111,11 +111,12 @@ class RankReplay:
     """The rank's whole step replayed on fake tensors under one plan per stage (a tuple of
     regions per stage, in `stages` order), the optimizer's state and step added: each stage's
     plan replayed once (pipeline.stage_trace), the rank's peak composed from them (NOTE [ a
-    rank of several stages ]); `alone(i, regions)`, stage i's part alone."""
+    rank of several stages ]; a V's adjacent stages, `handovers`: NOTE [ a V's handover ]);
+    `alone(i, regions)`, stage i's part alone."""
 
-    def __init__(self, settings: list[StageSetting], analyses: list[Analysis], order: tuple):
+    def __init__(self, settings: list[StageSetting], analyses: list[Analysis], order: tuple, handovers: tuple = ()):
         self.stages = [ExactReplay(s.module, a, s.loss_fn, s.options.pipeline) for s, a in zip(settings, analyses)]
-        self.order = order
+        self.order, self.handovers = order, handovers
         self.traces: dict[tuple, StageTrace] = {}     # (stage, regions) -> its trace
         self.seconds = 0.0
 
@@ -134,7 +135,8 @@ class RankReplay:
     def _peak(self, which: list[int], regions: tuple) -> int:
         traces = tuple(self._trace(i, tuple(regions[i])) for i in which)
         pos = {i: n for n, i in enumerate(which)}
-        peak, end = rank_step_peak(traces, tuple((k, pos[i], m) for k, i, m in self.order if i in pos))
+        handovers = tuple((pos[a], pos[b]) for a, b in self.handovers if a in pos and b in pos)
+        peak, end = rank_step_peak(traces, tuple((k, pos[i], m) for k, i, m in self.order if i in pos), handovers)
         # the one optimizer over the rank's stages: each stage's analysis holds its whole state and step
         steps = [self.stages[i].analysis.cost_graph.optimizer_step_bytes for i in which]
         step = max(s or 0 for s in steps)
@@ -253,13 +255,14 @@ def _kept(cg, regions: tuple, a: Analysis, s: StageSetting, measure, budget_byte
 
 
 def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
-              optimizer: torch.optim.Optimizer | None = None) -> list[Plan]:
+              optimizer: torch.optim.Optimizer | None = None, handovers: tuple = ()) -> list[Plan]:
     """A plan per stage of the rank, all of them together within `budget` (bytes, or '%' of the
     rank's whole step without checkpointing), by NOTE [ several stages, one budget ]. Every
-    plan's prediction is the rank's replayed peak under all of them."""
+    plan's prediction is the rank's replayed peak under all of them; `handovers`, a V-shaped
+    schedule's adjacent stages (RankStages.handovers)."""
     analyses = [analyze_for(s.module, s.args, s.kwargs, s.loss_fn, s.options, optimizer, REGION_PROBE)
                 for s in settings]
-    return plan_replayed(RankReplay(settings, analyses, order), settings, budget)
+    return plan_replayed(RankReplay(settings, analyses, order, handovers), settings, budget)
 
 
 def plan_replayed(replay: RankReplay, settings: list[StageSetting], budget: StepBudget) -> list[Plan]:

@@ -8,7 +8,7 @@ micro-batches in flight (`rank_graph`: CostGraph.inflight), and every plan tried
 `runtime.planning.ExactReplay` through `rank_peak`: the rank's whole action order on fake tensors
 (NOTE [ a rank's step ]) instead of one forward and backward. The budget is per rank; '%' is of the rank's step without checkpointing. The plan is
 installed in the stage module itself, so the rank's PipelineStage runs it as it is. A rank that
-runs several stages (ScheduleInterleaved1F1B: `rank_stages` reads its order) has them all planned
+runs several stages (interleaved, zero bubble, V-shaped: `rank_stages` reads its order) has them all planned
 together for its one budget (runtime/distributed/interleaved.py), each plan in its own module.
 
 NOTE [ a rank's step ]
@@ -39,8 +39,10 @@ its input part "I" and weight part "W", run as the runtime runs them (torch's st
 and stage_backward_weight, through planner.compat): between them a stage before the first keeps
 the graph the weight part needs (param groups, and what the regions recomputed for the input
 part), the last stage its loss, not its output; the first stage computes nothing at "I" and
-the whole backward at "W". Other schedules that split backward (ZBV, DualPipeV: adjacent stages
-on a rank, overlapped actions) and other multi-stage ones (looped BFS) are refused by name.
+the whole backward at "W". The V-shaped ones (ScheduleZBVZeroBubble, ScheduleDualPipeV) hand a
+rank's adjacent stages' tensors over in place (NOTE [ a V's handover ]); DualPipeV's overlapped
+forward-backward pairs are run by the runtime one after the other, and replayed so
+(compat.schedule_rank_order). Other multi-stage schedules (looped BFS) are refused by name.
 """
 from __future__ import annotations
 
@@ -67,9 +69,11 @@ from ..measure.replay import _standing_in
 ONE_STAGE = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b"}
 # torch's multi-stage schedules planned: their order is read off the schedule (`pipeline_order_with_comms`,
 # micro-batches numbered from 0 on every rank on torch 2.13)
-MULTI_STAGE = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
-SUPPORTED = ("ScheduleGPipe, Schedule1F1B (one stage per rank), ScheduleInterleaved1F1B and "
-             "ScheduleInterleavedZeroBubble (several)")
+MULTI_STAGE = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+# V-shaped ones: rank r holds stages r and 2R - 1 - r, the middle rank two adjacent ones (NOTE [ a V's handover ])
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+SUPPORTED = ("ScheduleGPipe, Schedule1F1B (one stage per rank), ScheduleInterleaved1F1B, "
+             "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV (several)")
 
 
 class PipelineScheduleError(RematError, TypeError):
@@ -95,11 +99,13 @@ def rank_of(schedule, stage_module: torch.nn.Module) -> PipelineRank:
 
 class RankStages(NamedTuple):
     """A rank that runs several stages of a multi-stage schedule (interleaved 1F1B), as
-    `rank_stages` reads it: its PipelineStages by stage index, each one's part (PipelineRank), and
-    the rank's order as ("F" or "B", position in `stages`, micro-batch)."""
+    `rank_stages` reads it: its PipelineStages by stage index, each one's part (PipelineRank), the
+    rank's order as ("F" or "B", position in `stages`, micro-batch), and the handovers of a V-shaped
+    schedule's adjacent stages ((a, b): positions, stage b the one after stage a: NOTE [ a V's handover ])."""
     stages: tuple
     ranks: tuple[PipelineRank, ...]
     order: tuple[tuple[str, int, int], ...]
+    handovers: tuple[tuple[int, int], ...] = ()
 
 
 def runs_several(schedule) -> bool:
@@ -123,12 +129,14 @@ def rank_stages(schedule, stage_module: torch.nn.Module) -> RankStages:
         raise PipelineScheduleError("the module planned is not one the schedule's PipelineStages on this rank run "
                                     "(pass one of their .submod)")
     index = {st.stage_index: i for i, st in enumerate(stages)}
-    if any(b - a == 1 for a, b in zip(index, list(index)[1:])):
+    handovers = tuple((index[s], index[s + 1]) for s in index if s + 1 in index)
+    if handovers and name not in V_SHAPED:
         raise PipelineScheduleError(f"{name} puts adjacent stages on one rank (its runtime hands activations over "
-                                    "locally, not modelled): remat plans ranks whose stages are apart")
+                                    "locally, modelled for V-shaped schedules only): remat plans ranks whose stages "
+                                    "are apart")
     n, n_stages = schedule_microbatches(schedule), stages[0].num_stages
     ranks = tuple(PipelineRank.of_rank_order(order, st.stage_index, n_stages, n) for st in stages)
-    return RankStages(stages, ranks, tuple((kind, index[s], m) for kind, s, m in order))
+    return RankStages(stages, ranks, tuple((kind, index[s], m) for kind, s, m in order), handovers)
 
 
 def stage_inputs(args: tuple, kwargs: dict, rank: PipelineRank) -> tuple[tuple, dict]:
@@ -307,6 +315,7 @@ class StageTrace(NamedTuple):
     peaks: tuple[int, ...]       # per action, the most bytes live during it
     levels: tuple[int, ...]      # per action, the bytes live after it
     held: int                    # counted the whole step: reads of tensors made before it, the other targets
+    received: int = 0            # one micro-batch's receive buffers (inputs that take a gradient): NOTE [ a V's handover ]
 
 
 def stage_trace(step: StageStep) -> StageTrace:
@@ -328,14 +337,16 @@ def stage_trace(step: StageStep) -> StageTrace:
                     peaks.append(meter.peak_bytes - meter.read_bytes)
                     levels.append(meter.live_bytes)
                 # every micro-batch's loss reads its own chunk of the targets the caller holds all step
-                return StageTrace(before, tuple(peaks), tuple(levels), meter.read_bytes + stage.loss_reads)
+                received = sum(t.untyped_storage().nbytes() for t in tensors(fake.inputs) if t.requires_grad)
+                return StageTrace(before, tuple(peaks), tuple(levels), meter.read_bytes + stage.loss_reads,
+                                  0 if step.rank.first else received)
     return meta_first(step.gm, step.kwargs, run)
 
 
 # NOTE [ a rank of several stages ]
 # A rank running several stages (interleaved 1F1B) holds each stage's tensors apart: no stage
-# reads another's (a stage's output reaches the next stage by a send, never handed over in place:
-# rank_stages refuses adjacent stages on one rank). Its live bytes
+# reads another's (a stage's output reaches the next stage by a send, never handed over in place,
+# but for a V's adjacent stages: NOTE [ a V's handover ]). Its live bytes
 # at any moment are the sum of its stages' own, and a stage's own change only in its actions. So
 # each stage is replayed alone, its actions in the rank's order (`stage_trace`), and the rank's
 # peak is composed (`rank_step_peak`): during an action of stage s, s's peak in that action plus
@@ -344,16 +355,39 @@ def stage_trace(step: StageStep) -> StageTrace:
 # of one stage is then replayed once, whatever the others' plans: the planner of a rank of k
 # stages replays each stage per plan tried, not the rank per combination. One stage alone is the
 # same replay, to the byte, as before (`rank_peak`).
-def rank_step_peak(traces: tuple[StageTrace, ...], order: tuple[tuple[str, int, int], ...]) -> tuple[int, int]:
+#
+# NOTE [ a V's handover ]
+# Under a V-shaped schedule (ScheduleZBVZeroBubble, ScheduleDualPipeV: rank r of R holds stages r
+# and 2R - 1 - r) the middle rank holds two adjacent stages a and b = a + 1, and torch's runtime
+# hands over in place, no send: after a's forward of micro-batch m, b's receive buffer m becomes
+# a's output, detached (`set_local_fwd_input`; the buffer it held is dropped), and after b's
+# backward of m (or its input part), a's output-grad buffer m becomes b's input gradients
+# (`set_local_bwd_input`; the one it held is dropped). Each stage replayed alone keeps its own
+# buffers all step, a's outputs as if sent (held to the step's end) and b's input gradients as
+# if sent: the rank holds one tensor where the two replays count two. So after each such action
+# the composed bytes are one micro-batch's receive buffers of b less (`StageTrace.received`:
+# b's input gradients are their size too), for the rest of the step; inside the action, the
+# dropped buffer is still live, as in the runtime.
+def _handed_over(traces: tuple[StageTrace, ...], handovers: tuple[tuple[int, int], ...], kind: str, i: int) -> int:
+    """The bytes an action of the stage at position i hands over in place (NOTE [ a V's handover ])."""
+    return sum(traces[b].received for a, b in handovers
+               if (kind == "F" and i == a) or (kind in ("B", "I") and i == b))
+
+
+def rank_step_peak(traces: tuple[StageTrace, ...], order: tuple[tuple[str, int, int], ...],
+                   handovers: tuple[tuple[int, int], ...] = ()) -> tuple[int, int]:
     """(peak, live at the end) of a rank's whole step from its stages' traces (NOTE [ a rank of
-    several stages ]): `order` runs ("F" or "B", position in `traces`, micro-batch)."""
+    several stages ]): `order` runs ("F" or "B", position in `traces`, micro-batch); `handovers`,
+    a V's adjacent stages' positions (NOTE [ a V's handover ])."""
     levels = [t.before for t in traces]
     done = [0] * len(traces)
-    peak = 0
-    for i in list(range(len(traces))) + [i for _, i, _ in order] + list(range(len(traces))):
+    peak, shared = 0, 0
+    steps = [("start", i) for i in range(len(traces))] + [(k, i) for k, i, _ in order]
+    for kind, i in steps + [("finish", i) for i in range(len(traces))]:
         k = done[i]
-        peak = max(peak, traces[i].peaks[k] + sum(levels) - levels[i])
+        peak = max(peak, traces[i].peaks[k] + sum(levels) - levels[i] - shared)
         levels[i] = traces[i].levels[k]
         done[i] += 1
+        shared += _handed_over(traces, handovers, kind, i)
     held = sum(t.held for t in traces)
-    return peak + held, sum(levels) + held
+    return peak + held, sum(levels) - shared + held
