@@ -294,8 +294,7 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
     tried is compiled and measured with real steps on the example inputs, since Inductor decides
     what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B,
-    Interleaved1F1B, the zero-bubble and V-shaped ones; `model` runs a stage of it): the rank's
-    whole step is planned (docs/pipeline.md).
+    interleaved, zero bubble, V; `model` runs a stage of it): the rank's step is planned (docs/pipeline.md).
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on
     them (`Remat.time_plan`): `plan.facts.timing`, and a line of `plan.summary()`, give the
