@@ -121,17 +121,24 @@ def _next_front(states: list[tuple], opts: list[Option], budget: int) -> list[tu
     return front
 
 
+def least_kept(options: list[list[Option]], level: int) -> int | None:
+    """The least bytes a chain keeps with every segment's peak (its kept-so-far + M) within
+    `level`; None where none fits. Less kept so far is never worse, so one state per segment
+    suffices (a greedy pass)."""
+    kept = 0
+    for opts in options:
+        ks = [kept + o.kept for o in opts if kept + o.peak <= level]
+        if not ks:
+            return None
+        kept = min(ks)
+    return kept
+
+
 def chain_min_peak(options: list[list[Option]]) -> int:
     """The least budget the chain DP meets: bisection, each budget checked by feasibility alone
-    (less kept so far is never worse, so one state per segment suffices)."""
+    (`least_kept`)."""
     def feasible(budget: int) -> bool:
-        k = 0
-        for opts in options:
-            ks = [k + o.kept for o in opts if k + o.peak <= budget]
-            if not ks:
-                return False
-            k = min(ks)
-        return True
+        return least_kept(options, budget) is not None
 
     lo = max(min(o.peak for o in opts) for opts in options)
     hi = lo
@@ -203,29 +210,23 @@ def least_total(options: list[list[Option]], k: int, fixed: int) -> tuple[int, i
     never worse) falls as the level rises; the total is least where it has just fallen, so the
     levels are walked from the least chain peak, each time up to the next one that keeps less
     (bisection), while a level can still beat the best found."""
-    def least_kept(level: int) -> int | None:
-        kept = 0
-        for opts in options:
-            ks = [kept + o.kept for o in opts if kept + o.peak <= level]
-            if not ks:
-                return None
-            kept = min(ks)
-        return kept
+    def kept_at(level: int) -> int | None:
+        return least_kept(options, level)
 
     floor = k * max(0, sum(min(o.kept for o in opts) for opts in options) + fixed)
     level = chain_min_peak(options)
-    kept = least_kept(level)
+    kept = kept_at(level)
     best = (level + k * max(0, kept + fixed), level)
     while level + floor < best[0]:
         lo, hi = level + 1, best[0] - floor
-        if least_kept(hi) >= kept:
+        if kept_at(hi) >= kept:
             break
         while lo < hi:
             mid = (lo + hi) // 2
-            if least_kept(mid) < kept:
+            if kept_at(mid) < kept:
                 hi = mid
             else:
                 lo = mid + 1
-        level, kept = lo, least_kept(lo)
+        level, kept = lo, kept_at(lo)
         best = min(best, (level + k * max(0, kept + fixed), level))
     return best
