@@ -8,13 +8,8 @@ import pytest
 import torch
 
 # One torch thread per xdist worker: two workers on two cores, not four threads fighting over them.
-# The processes a worker starts (the CLI, the docs' commands, distributed ranks, the wheel's
-# example) run beside the other worker: one OpenMP thread each too. With two, their threads spin
-# against the workers': `remat report benchmarks/zoo_models.py:lstm_lm --budget 95%` took 29.3
-# CPU s on the loaded 2 cores, 4.4 with one thread. (A value the session was given is kept.)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Tests plan anew unless they test the plan cache (tests/test_plan_cache.py turns it on); nothing
 # is written to the user's cache directory.
