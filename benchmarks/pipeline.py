@@ -17,6 +17,11 @@ first). Timings are this machine's (2 shared cores): a ratio in one run.
 Regenerate the results file on an idle machine (every schedule, and the 70B job):
 `python benchmarks/pipeline.py --steps 6 --job --out benchmarks/results/pipeline.md`.
 
+With `--fsdp`, it runs PP x FSDP2 instead (benchmarks/pipeline_fsdp_run.py: 4 gloo ranks, 2 stages
+x 2 data-parallel ranks, GPipe and 1F1B, the same comparison) and writes only its section of the
+results file: `python benchmarks/pipeline.py --fsdp --steps 6 --out benchmarks/results/pipeline.md`
+(a run without it keeps that section).
+
 With `--job`, it also plans a whole Llama-3-70B job from this process (8 stages, 1F1B, 16
 micro-batches of 1 x 8192 tokens, bf16, on meta; `remat report --pipeline`'s library call) at the
 uniform policy's largest per-rank peak, and adds its table and planning time.
@@ -92,6 +97,49 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ---- PP x FSDP2: 2 stages x 2 data-parallel ranks (benchmarks/pipeline_fsdp_run.py) ---------------
+
+FSDP_HEADING = "## PP x FSDP2: 2 stages x 2 data-parallel ranks"
+
+
+def compare_fsdp(schedule: str, steps: int) -> list[dict]:
+    """One row per rank of the 4 (stage r // 2, data-parallel rank r % 2): the per-block policy and
+    remat at the per-block policy's largest per-rank peak, each peak the steady steps' (`steady`)."""
+    from benchmarks.pipeline_fsdp_run import config as fconfig, run_many as frun, steady
+    uniform, unplanned = frun([fconfig(schedule, checkpoint_blocks=True, steps=steps), fconfig(schedule, steps=steps)])
+    budget = max(steady(r["peaks"]) for r in uniform)
+    planned = frun([fconfig(schedule, plan=True, budget=budget, steps=steps)])[0]
+    return [dict(schedule=schedule, rank=p["rank"], stage=p["stage"], budget=budget, unplanned=steady(n["peaks"]),
+                 uniform=steady(u["peaks"]), measured=steady(p["peaks"]), allocator=steady(p["allocator"]),
+                 predicted=p["predicted_peak_bytes"], regions=len(p["regions"]), extra=p["extra_compute"],
+                 uniform_extra=uniform_extra(schedule, p["stage"]), plan_s=p["plan_seconds"])
+            for u, n, p in zip(uniform, unplanned, planned)]
+
+
+def fsdp_section(rows: list[dict], steps: int, seconds: float) -> str:
+    head = ("| schedule | rank | stage | budget B | unplanned B | per-block B | remat measured B | remat predicted B | "
+            "remat allocator B | regions | remat extra compute | per-block extra compute | plan s |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        out.append(f"| {r['schedule']} | {r['rank']} | {r['stage']} | {r['budget']} | {r['unplanned']} | "
+                   f"{r['uniform']} | {r['measured']} | {r['predicted']} | {r['allocator']} | {r['regions']} | "
+                   f"{r['extra']:.1f}% | {r['uniform_extra']:.1f}% | {r['plan_s']:.1f} |")
+    return (f"\n{FSDP_HEADING}\n\n4 gloo ranks, a 2 x 2 mesh (\"pp\", \"dp\"): the same GPT in 2 stages, each "
+            f"stage's blocks and module under fully_shard over \"dp\", each data-parallel rank its own 4 "
+            f"micro-batches. Peaks: the steps after the first, their median ({steps} steps a run), live storages; "
+            f"\"allocator\": the CPU allocator's, which also sees gloo's staging copies and the kernels' "
+            f"temporaries below the dispatcher. `python benchmarks/pipeline.py --fsdp --steps {steps}` "
+            f"({seconds:.0f} s).\n\n" + "\n".join(out) + "\n")
+
+
+def with_section(path: str, heading: str, section: str) -> str:
+    """The text of `path` (a results file) with its section under `heading` (`section_of`)
+    replaced by `section`, or `section` added at the end."""
+    text = open(path).read() if os.path.exists(path) else ""
+    old = section_of(path, heading)
+    return text.replace(old, section) if old else text.rstrip("\n") + "\n" + section
+
+
 LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
                   tie_word_embeddings=False)
@@ -123,7 +171,11 @@ def main(argv=None) -> int:
                          "planned together)")
     ap.add_argument("--out", default=None, help="write the results markdown here")
     ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")
+    ap.add_argument("--fsdp", action="store_true", help="only PP x FSDP2 (4 gloo ranks, GPipe and 1F1B): its section "
+                    "of --out is written, the rest of the file kept")
     a = ap.parse_args(argv)
+    if a.fsdp:
+        return main_fsdp(a)
     t0 = time.perf_counter()
     rows = [r for s in a.schedules for r in compare(s, a.steps)]
     gloo_s = time.perf_counter() - t0
@@ -137,7 +189,30 @@ def main(argv=None) -> int:
             f"{' --job' if a.job else ''}` (the gloo runs "
             f"{gloo_s:.0f} s, {time.perf_counter() - t0:.0f} s in all).\n\n" + table(rows) + "\n" + whole)
     print(text)
+    if a.out:               # the PP x FSDP2 section (--fsdp) kept
+        kept = section_of(a.out, FSDP_HEADING)
+        with open(a.out, "w") as f:
+            f.write(text.rstrip("\n") + "\n" + kept if kept else text)
+    return 0
+
+
+def section_of(path: str, heading: str) -> str:
+    """The section under `heading` of `path` (to the next "## " or the end), else ""."""
+    text = open(path).read() if os.path.exists(path) else ""
+    at = text.find("\n" + heading + "\n")
+    if at < 0:
+        return ""
+    end = text.find("\n## ", at + 1)
+    return text[at:end if end >= 0 else len(text)]
+
+
+def main_fsdp(a) -> int:
+    t0 = time.perf_counter()
+    rows = [r for s in ("gpipe", "1f1b") for r in compare_fsdp(s, a.steps)]
+    section = fsdp_section(rows, a.steps, time.perf_counter() - t0)
+    print(section)
     if a.out:
+        text = with_section(a.out, FSDP_HEADING, section)
         with open(a.out, "w") as f:
             f.write(text)
     return 0

@@ -342,6 +342,11 @@ def plan_pipeline(model: torch.nn.Module, budget: Budget, schedule, example_inpu
     if pipeline.runs_several(schedule):
         return pipeline_rank(model, schedule, budget, example_inputs, example_kwargs, loss_fn, options, compile,
                              optimizer)
+    if distributed.engine(model) == "fsdp":       # PP x FSDP2 (runtime/distributed/pipeline_fsdp.py)
+        from .distributed import pipeline_fsdp
+        _pipeline_checks(model, example_inputs, example_kwargs, compile, fsdp=True)
+        return pipeline_fsdp.wrap_stage(model, budget, schedule, example_inputs, example_kwargs, loss_fn, options,
+                                        optimizer)
     options, args, kwargs, loss_fn = pipeline_stage(model, schedule, options, example_inputs, example_kwargs,
                                                     compile, loss_fn)
     return plan_and_wrap(model, budget, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn, options=options,
@@ -360,13 +365,17 @@ def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, examp
             loss_fn if rank.last else pipeline.received_grad_loss)
 
 
-def _pipeline_checks(model: torch.nn.Module, example_inputs, example_kwargs, compile) -> None:
+def _pipeline_checks(model: torch.nn.Module, example_inputs, example_kwargs, compile, fsdp: bool = False) -> None:
+    """A stage planned up front, eager; under FSDP2 only where `fsdp` (one stage a rank), never under DDP."""
     if example_inputs is None and example_kwargs is None:
         raise ValueError("a pipeline stage is planned up front: pass example_inputs (one micro-batch's inputs "
                          "of this stage)")
-    if compile or distributed.engine(model) is not None:
-        raise pipeline.PipelineScheduleError("a pipeline stage is planned eager and unsharded so far: plan it "
-                                             "without compile= and before fully_shard/DDP")
+    if compile:
+        raise pipeline.PipelineScheduleError("a pipeline stage is planned eager so far: plan it without compile=")
+    if not fsdp and distributed.engine(model) is not None:
+        raise pipeline.PipelineScheduleError(
+            "a pipeline stage under DDP, or under FSDP2 on a rank of several stages, is not planned yet: FSDP2 "
+            "is planned for one stage a rank (ScheduleGPipe, Schedule1F1B); plan the others before fully_shard/DDP")
 
 
 def pipeline_rank(model: torch.nn.Module, schedule, budget: Budget, example_inputs, example_kwargs, loss_fn,

@@ -73,6 +73,15 @@ def unit_sizes(name: str, unit: FSDPModule, world: int) -> Unit:
     return Unit(name, full, shard, grad, grad_shard, reshard)
 
 
+def dp_group(model: FSDPModule):
+    """The process group `model`'s units shard over (their mesh's shard dimension), else None."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in _groups(m):
+                return g.mesh_info.shard_process_group
+    return None
+
+
 def fsdp_sharding(model: FSDPModule, world: int | None = None) -> Sharding:
     world = world or _world()
     units = tuple(unit_sizes(n, m, world) for n, m in model.named_modules() if isinstance(m, FSDPModule))

@@ -184,6 +184,7 @@ class StageStep(NamedTuple):
     rank: PipelineRank
     opaque: tuple[str, ...] = ()
     examples: dict | None = None
+    fsdp: object | None = None      # a stage under FSDP2: its FsdpOverlay (runtime/distributed/pipeline_fsdp.py)
 
 
 class _Rank:
@@ -302,9 +303,10 @@ class _Rank:
 
 
 def rank_peak(gm: torch.nn.Module, kwargs: dict, loss_fn, rank: PipelineRank, opaque: tuple[str, ...] = (),
-              examples: dict | None = None) -> tuple[int, int]:
-    """(peak, live at the end) of the rank's whole step on fake tensors (NOTE [ a rank's step ])."""
-    step = StageStep(gm, kwargs, loss_fn, rank, opaque, examples)
+              examples: dict | None = None, fsdp=None) -> tuple[int, int]:
+    """(peak, live at the end) of the rank's whole step on fake tensors (NOTE [ a rank's step ]);
+    `fsdp`, a stage under FSDP2: its FsdpOverlay (NOTE [ a stage under FSDP2 ] in pipeline_fsdp.py)."""
+    step = StageStep(gm, kwargs, loss_fn, rank, opaque, examples, fsdp)
     return rank_step_peak((stage_trace(step),), tuple((kind, 0, m) for kind, m in rank.actions))
 
 
@@ -320,6 +322,8 @@ class StageTrace(NamedTuple):
 
 def stage_trace(step: StageStep) -> StageTrace:
     """The stage's actions (`step.rank.actions`) replayed on fake tensors, metered one by one."""
+    overlay = step.fsdp.marked(step.gm) if step.fsdp is not None else None
+
     def run(meta: bool) -> StageTrace:
         with _standing_in(step.gm, step.opaque, step.examples or {}), \
                 fake_step(step.gm, step.kwargs, False, meta) as fake:
@@ -330,8 +334,12 @@ def stage_trace(step: StageStep) -> StageTrace:
                 calls = [functools.partial(stage.start, shapes)]
                 run = {"F": stage.forward, "B": stage.backward, "I": stage.input_backward, "W": stage.weight_backward}
                 calls += [functools.partial(run[kind], m) for kind, m in step.rank.actions]
+                finish = stage.finish
+                if overlay is not None:     # the parameters as the rank holds them; its gradients reduced at the end
+                    overlay.start(meter)
+                    finish = functools.partial(_then, overlay.finish, stage.finish)
                 before, peaks, levels = meter.live_bytes, [], []
-                for call in calls + [stage.finish]:
+                for call in calls + [finish]:
                     meter.reset_peak()
                     call()
                     peaks.append(meter.peak_bytes - meter.read_bytes)
@@ -341,6 +349,11 @@ def stage_trace(step: StageStep) -> StageTrace:
                 return StageTrace(before, tuple(peaks), tuple(levels), meter.read_bytes + stage.loss_reads,
                                   0 if step.rank.first else received)
     return meta_first(step.gm, step.kwargs, run)
+
+
+def _then(*calls) -> None:
+    for call in calls:
+        call()
 
 
 # NOTE [ a rank of several stages ]
