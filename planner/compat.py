@@ -32,9 +32,11 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
-           "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten"]
+           "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
+           "partitioner_base", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
+           "inductor_layout_opt"]
 
 
 def clear_cublas_workspaces() -> None:
@@ -71,6 +73,12 @@ def fake_cache_off():
             _FAKE_CACHE["depth"] -= 1
             if not _FAKE_CACHE["depth"]:
                 config.fake_tensor_cache_enabled = _FAKE_CACHE["saved"]
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """How many references hold `t`'s TensorImpl: its Python object's one, and each C++ holder's
+    (an autograd node's saved tensor, a collective's work)."""
+    return t._use_count()
 
 
 def functorch_active() -> bool:
@@ -176,3 +184,45 @@ def held_elsewhere(t: torch.Tensor) -> bool:
     tensor (autograd handing one grad to two nodes) or another tensor on its storage. The caller's
     `t` (one reference) and the storage object looked at here are its own."""
     return t._use_count() > 1 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+
+
+# ----------------------------------------------------------------------------- torch.compile's partitioner
+# (planner/compiled/: the joint graph Inductor partitions, remat's decisions as its recompute tags)
+def partitioner_base() -> type:
+    """torch._inductor.custom_graph_pass.CustomPartitionerFn: the base of a partitioner Inductor
+    calls on the joint graph after its own joint-graph passes (`partitioner_installed`)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    return CustomPartitionerFn
+
+
+def partitioner_installed(partitioner):
+    """Inductor's config with `partitioner` as its `custom_partitioner_fn` (a context manager)."""
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(custom_partitioner_fn=partitioner)
+
+
+def min_cut_partition(gm, joint_inputs, **kwargs):
+    """torch._functorch.partitioners.min_cut_rematerialization_partition: the forward and backward
+    graphs AOTAutograd makes of a joint graph, honouring its nodes' `recompute` tags."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def storage_key(t: torch.Tensor):
+    """A hashable key of `t`'s storage (torch.multiprocessing.reductions.StorageWeakRef): tensors on
+    one storage (views) share it, fake ones included."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(t.untyped_storage())
+
+
+def compile_failure_cause(e: BaseException) -> BaseException | None:
+    """The exception a torch.compile backend raised, from the BackendCompilerFailed wrapping it."""
+    return getattr(e, "inner_exception", None) or e.__cause__
+
+
+
+def inductor_layout_opt(gm) -> bool:
+    """Whether Inductor lays a training graph's convolutions out channels-last
+    (torch._inductor.graph.GraphLowering.decide_layout_opt: on CPU with mkldnn, nearly always)."""
+    from torch._inductor.graph import GraphLowering
+    return GraphLowering.decide_layout_opt(gm, is_inference=False)

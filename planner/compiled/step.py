@@ -1,0 +1,109 @@
+"""A compiled step under a plan, as plain data: what its forward and backward graphs allocate.
+
+`compiled_step` partitions the captured joint graph under the plan's tags (planner/compiled/tags.py)
+and replays each graph's buffers (planner/compiled/memory.py). The result is all the fake stand-in
+of runtime/rewrite/compiled.py needs to replay the whole step (loss, optimizer and all) on fake
+tensors, as the eager replay does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from remat.planner.compat import inductor_layout_opt, storage_key
+
+from .joint import Joint
+from .memory import GraphMemory, graph_memory
+from .tags import Decisions, partition
+
+Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
+
+
+def _meta(n: fx.Node | None) -> Meta | None:
+    v = None if n is None else n.meta.get("val")
+    return (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else None
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """The forward's inputs (primals, in order), its user outputs, the saved tensors' storages,
+    each graph's buffers (above what it is given) and the gradient of each primal."""
+    primals: tuple[Meta | None, ...]
+    outputs: tuple[Meta | None, ...]
+    saved_bytes: tuple[int, ...]        # one per storage the forward makes and the backward reads
+    forward: GraphMemory
+    backward: GraphMemory               # counted from the saved tensors and the tangents
+    tangent_bytes: int
+    grads: tuple[Meta | None, ...]
+    recomputed_ops: int                 # forward ops the backward graph runs again
+    seconds: float                      # spent partitioning and replaying
+
+
+def _tensor(n) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _channels_last(fw: fx.GraphModule, primals: list[fx.Node]) -> set[fx.Node]:
+    """The forward's placeholders Inductor copies channels-last (NOTE [ channels-last ]): a
+    convolution's 4-d input or weight not already laid out so, when Inductor lays the graph out so."""
+    if not any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes) or not inductor_layout_opt(fw):
+        return set()
+    read = {a for n in fw.graph.nodes if n.target is torch.ops.aten.convolution.default for a in n.args[:2]}
+    return {n for n in primals if n in read and (t := _tensor(n)) is not None and t.dim() == 4
+            and not t.is_contiguous(memory_format=torch.channels_last)}
+
+
+def _cl(m: Meta | None) -> Meta | None:
+    """A 4-d tensor's meta, channels-last."""
+    n, c, h, w = m[0]
+    return m[0], (c * h * w, 1, w * c, c), m[2]
+
+
+def _saved(outs: list, first: int, skip: set) -> tuple[int, ...]:
+    """The bytes of each storage the forward returns for the backward (from output `first` on),
+    once, those in `skip` left out."""
+    saved, seen = [], set(skip)
+    for n in outs[first:]:
+        t = _tensor(n)
+        if t is not None and storage_key(t) not in seen:
+            seen.add(storage_key(t))
+            saved.append(t.untyped_storage().nbytes())
+    return tuple(saved)
+
+
+def compiled_step(joint: Joint, decided: Decisions) -> CompiledStep:
+    """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`)."""
+    t0 = time.process_time()
+    fw, bw = partition(joint, decided)
+    primals = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    copied = _channels_last(fw, primals)
+    static = {storage_key(t) for n in primals if n not in copied and (t := _tensor(n)) is not None}
+    copies = frozenset(storage_key(_tensor(n)) for n in copied)
+    outs = list(fw.graph.find_nodes(op="output")[0].args[0])
+    mutated, users = joint.layout
+    user_outs = outs[mutated:mutated + users]
+    made_outs = {storage_key(t) for t in map(_tensor, user_outs) if t is not None}
+    inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
+    held = static | {storage_key(t) for t in tangents}
+    counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
+    grads = list(bw.graph.find_nodes(op="output")[0].args[0])[:len(primals)]
+    return CompiledStep(
+        primals=tuple(map(_meta, primals)), outputs=tuple(map(_meta, user_outs)),
+        saved_bytes=_saved(outs, joint.kwargs["num_fwd_outputs"], static | made_outs),
+        forward=graph_memory(fw, held=static, counted_inputs=set(), copied=copies),
+        backward=graph_memory(bw, held=held, counted_inputs=counted, channels_last=bool(copied)),
+        tangent_bytes=sum(t.untyped_storage().nbytes() for t in tangents),
+        grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied and p.name.startswith("primals")
+                    and _meta(g) is not None and len(_meta(g)[0]) == 4 else _meta(g) for p, g in zip(primals, grads)),
+        recomputed_ops=_recomputed(fw, bw), seconds=time.process_time() - t0)
+
+
+def _recomputed(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
+    """Forward ops the backward graph runs again (by name, as the partitioner copies them)."""
+    names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    return sum(n.op == "call_function" and n.name in names for n in bw.graph.nodes)
