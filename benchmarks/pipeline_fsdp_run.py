@@ -31,7 +31,7 @@ N_RANKS, N_STAGES = 4, 2
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def config(schedule: str = "1f1b", n_microbatches: int = 4, budget=None, plan: bool = False, steps: int = 4,
+def config(schedule: str = "1f1b", n_microbatches: int = 4, budget=None, plan: bool = False, steps: int = 5,
            optimizer: bool = False, checkpoint_blocks: bool = False) -> dict:
     """One run's settings (`run_many` runs several in one spawn of the 4 ranks): `steps` metered
     twice (the StorageMeter, then the allocator), AdamW's step inside each with `optimizer`."""
@@ -163,9 +163,15 @@ def run_many(cfgs: list[dict]) -> list[list[dict]]:
 
 
 def steady(values: list[int]) -> int:
-    """A step's peak as it repeats: the (low) median of the steps after the first (which allocates
-    the receive buffers). Single steps stray both ways: gloo's worker thread can keep a collective's
-    buffer past the node that waited for it (a step one buffer high), and the allocator's profile
-    can miss a free or an allocation (NOTE [ unseen frees ] in runtime/measure/peak.py)."""
+    """A step's live-storage peak as it repeats: the (low) median of the steps after the first
+    (which allocates the receive buffers). Single steps read high: gloo's worker thread can keep a
+    collective's buffer past the node that waited for it."""
     rest = sorted(values[1:] or values)
     return rest[(len(rest) - 1) // 2]
+
+
+def least(values: list[int]) -> int:
+    """The allocator's peak of a run's steps (all after the receive buffers exist): the least
+    reading. The profiler's meter reads some steps one collective buffer high, several in a row
+    at times (a free gloo's worker makes unseen: NOTE [ unseen frees ] in runtime/measure/peak.py)."""
+    return min(values)
