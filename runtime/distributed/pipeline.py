@@ -10,6 +10,8 @@ micro-batches in flight (`rank_graph`: CostGraph.inflight), and every plan tried
 installed in the stage module itself, so the rank's PipelineStage runs it as it is. A rank that
 runs several stages (interleaved, zero bubble, V-shaped: `rank_stages` reads its order) has them all planned
 together for its one budget (runtime/distributed/interleaved.py), each plan in its own module.
+A stage under FSDP2 (one a rank) is replayed with FSDP2's parameters and gradients counted in
+(`StageStep.fsdp`: runtime/distributed/pipeline_fsdp.py, NOTE [ a stage under FSDP2 ]).
 
 NOTE [ a rank's step ]
 What torch's pipelining runtime keeps on a rank (torch/distributed/pipelining/stage.py), replayed:

@@ -20,7 +20,10 @@ post-backward with both on: one reduce-scatter a unit, then the gradients scaled
   all-gather's wait, or the root's post-forward; a unit already gathered is not gathered again;
 - a backward starts at the root's pre-backward, which prefetches the last unit; each unit's
   pre-backward copies its prefetched parameters out (the flat output freed) and prefetches the
-  unit before it (its flat output held until that unit's pre-backward): none once all are gathered;
+  unit before it (its flat output held until that unit's pre-backward): none once all are gathered.
+  (Where the root's output is its last unit's, as on a first stage, torch runs that unit's
+  pre-backward first, which gathers it itself, then the root's, which has nothing left to
+  prefetch: the same bytes at every moment.)
 - the gradients are unsharded (g) and accumulate across micro-batches as the unsharded step's do
   (the replay's own gradients), until the step's end: then for each unit in FSDP2's order (the
   root, then the units in module order) its parameters resharded, the previous reduce-scatter's
