@@ -192,24 +192,41 @@ def test_a_split_backward_keeps_its_micro_batch_in_flight_until_its_weight_part(
     assert PipelineRank.of_rank_order(tuple(order), 2, 4, 4).in_flight() == 2
 
 
+def _section(text: str, heading: str) -> str:
+    """`text` from the line `heading` to the next heading of its level or above."""
+    at = text.index("\n" + heading + "\n")
+    ends = [i for i in (text.find("\n## ", at + 1), text.find("\n# ", at + 1)) if i >= 0]
+    return text[at:min(ends) if ends else len(text)]
+
+
 def test_the_docs_table_is_the_benchmarks_current_file():
-    """docs/pipeline.md's table is benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
+    """docs/pipeline.md's tables are benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
     every row's bytes and extra compute are the results file's, row for row, and every row of the
-    results file (GPipe, 1F1B, Interleaved, Zero-bubble, ZBV, DualPipeV: the schedules it was run with) is shown."""
+    results file (GPipe, 1F1B, Interleaved, Zero-bubble, ZBV, DualPipeV: the schedules it was run
+    with) is shown; under FSDP2 (`--fsdp`: 4 ranks, 2 a stage), one row a stage, whose two
+    data-parallel ranks' rows in the results file are alike."""
     import pathlib
     import re
     root = pathlib.Path(__file__).resolve().parents[1]
     docs = (root / "docs" / "pipeline.md").read_text()
     results = (root / "benchmarks" / "results" / "pipeline.md").read_text()
+    fsdp_heading = "## PP x FSDP2: 2 stages x 2 data-parallel ranks"
+    main = results.replace(_section(results, fsdp_heading), "")
     rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
         r"^\| ([\w-]+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
-        results, re.M)}
-    shown = re.findall(r"^\| (GPipe|1F1B|Interleaved|Zero-bubble|ZBV|DualPipeV) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
-                       r"([\d.]+%) \| ([\d.]+%) \|$", docs, re.M)
-    assert rows and len(shown) == len(rows)
-    assert {(sched.lower(), rank) for sched, rank, *_ in shown} == rows.keys()
-    for sched, rank, *numbers in shown:
-        assert tuple(n.replace(",", "") for n in numbers) == rows[sched.lower(), rank], (sched, rank)
+        main, re.M)}
+    fsdp = {}
+    for m in re.findall(r"^\| (gpipe|1f1b) \| \d \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| "
+                        r"([\d.]+%) \| ([\d.]+%) \|", _section(results, fsdp_heading), re.M):
+        assert fsdp.setdefault((m[0], m[1]), m[2:]) == m[2:], m        # a stage's two ranks alike
+    row = (r"^\| (GPipe|1F1B|Interleaved|Zero-bubble|ZBV|DualPipeV) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "
+           r"([\d,]+) \| ([\d.]+%) \| ([\d.]+%) \|$")
+    for text, want in ((_section(docs, "## Measured"), rows), (_section(docs, "## Under FSDP2 (PP × DP)"), fsdp)):
+        shown = re.findall(row, text, re.M)
+        assert want and len(shown) == len(want)
+        assert {(sched.lower(), rank) for sched, rank, *_ in shown} == want.keys()
+        for sched, rank, *numbers in shown:
+            assert tuple(n.replace(",", "") for n in numbers) == want[sched.lower(), rank], (sched, rank)
 
 
 def _llama_config(path, layers: int) -> str:
