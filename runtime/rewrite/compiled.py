@@ -1,30 +1,143 @@
-"""Plans for torch.compile: the step that runs is Inductor's, so each plan's peak is measured.
+"""Plans for torch.compile: the step that runs is Inductor's, partitioned under the plan's tags.
 
-Under `torch.compile` a plain region (one that keeps no nodes) becomes Dynamo's checkpoint op
-inside the one graph (runtime.rewrite), and AOTAutograd's partitioner decides what else the
-compiled step saves between regions. That is not the eager step the fake replay models: Inductor
-can save more or less (benchmarks/results/solver-notes.md has a case). So
-`CompiledReplay` is the `measure` for `solve_plan` in compile mode: it compiles the model
-rewritten with the regions asked about, runs two real steps on the example inputs (the first
-compiles; neither leaves a trace on grads, buffers or the RNG) and meters the second at the
-allocator. The planner's budget correction loop (planner.solve.fit, NOTE [ budget correction ]) then
-works on measured compiled peaks, and the compiled module of the chosen plan is kept for
-training.
+The compiled model is the traced graph, each node's ops annotated with its name
+(planner/compiled/joint.py), compiled by Inductor with a partitioner that tags the joint graph by
+the plan before torch's min-cut partitioner runs (planner/compiled/tags.py `Tagged`): regions and
+selective-checkpointing policies alike become MUST_RECOMPUTE / MUST_SAVE tags, so the compiled
+step saves what the plan says.
 
-This runs real steps at the real size: the machine planning must have the memory of the step.
+`CompiledPrediction` makes the `measure` for `solve_plan` in compile mode (runtime.planning
+`compiled_measure`). It captures the joint graph once, on fake tensors (no real step), and for
+each plan tried partitions it as the compile will; the eager replay then runs the whole step on
+fake tensors with the compiled forward and backward stood in for by an autograd.Function that
+allocates what the partitioned graphs' buffers do (planner/compiled/memory.py), and the loss,
+optimizer and everything else as for an eager plan (NOTE [ the compiled step's stand-in ]).
+`CompiledReplay` measures instead, with real compiled steps: the opt-in check (`remat check
+--compiled`, the tests).
 """
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+from remat.planner.compat import pytree
+from remat.planner.compiled.joint import annotated, capture_joint
+from remat.planner.compiled.step import CompiledStep, compiled_step
+from remat.planner.compiled.tags import Tagged, decisions
 from remat.planner.step.state import training_modes
 
 from ..measure import peak_memory, preserved, training_loss
-from .graph import rewrite
+
+
+def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str, ...],
+                    compile_kwargs: dict | None = None) -> torch.nn.Module:
+    """The model's traced graph compiled by Inductor under the plan `regions` (parameters, buffers
+    and children: the model's own objects)."""
+    kwargs = dict(compile_kwargs or {})
+    options = {**kwargs.pop("options", {}), "custom_partitioner_fn": Tagged(decisions(tuple(regions), names))}
+    kwargs.pop("backend", None)
+    return torch.compile(annotated(analysis.traced.gm), backend="inductor", options=options, **kwargs)
+
+
+# NOTE [ the compiled step's stand-in ]
+# AOTAutograd runs a compiled graph as one autograd.Function: its forward returns the user's outputs
+# and keeps the saved tensors; its backward, given the outputs' gradients (which autograd holds
+# until it returns), frees each saved tensor after its last read and returns the inputs'
+# gradients. `_Stand` is that Function on fake tensors, with the partitioned graphs' memory:
+# forward, a buffer of the forward graph's peak (freed), then the outputs and the saved storages;
+# backward, the saved storages dropped, a buffer of the backward graph's peak above the tangents
+# (freed), then the gradients, laid out as the graph returns them (autograd copies a gradient
+# whose layout is not its parameter's as it accumulates it, in the replay as for real).
+class _Stand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: CompiledStep, *primals):
+        device = next((p.device for p in primals if isinstance(p, torch.Tensor)), torch.device("cpu"))
+        peak = torch.empty(step.forward.peak_bytes, dtype=torch.uint8, device=device)
+        del peak
+        ctx.step, ctx.device = step, device
+        ctx.kept = [torch.empty(n, dtype=torch.uint8, device=device) for n in step.saved_bytes]
+        return tuple(torch.empty_strided(m[0], m[1], dtype=m[2], device=device) for m in step.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        step = ctx.step
+        ctx.kept.clear()
+        peak = torch.empty(max(0, step.backward.peak_bytes - step.tangent_bytes), dtype=torch.uint8, device=ctx.device)
+        del peak
+        return (None, *(None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device=ctx.device)
+                        for m in step.grads))
+
+
+def _runner(step: CompiledStep):
+    def run(*primals):
+        return _Stand.apply(step, *primals)
+    run.__name__ = run.__qualname__ = "remat_compiled_step"
+    return run
+
+
+def _sources(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> list[str]:
+    """Which parameter, buffer or input each of the compiled forward's inputs is (by name): the first
+    unused one of its shape, dtype and need of a gradient (same-shaped ones are alike to memory)."""
+    named = [(k, v) for k, v in (*gm.named_parameters(), *gm.named_buffers())] + \
+        [(f"input:{k}", v) for k, v in inputs.items() if isinstance(v, torch.Tensor)]
+    used: set[str] = set()
+    out = []
+    for m, g in zip(step.primals, step.grads):
+        want = None if m is None else (tuple(m[0]), m[2], g is not None)
+        name = next((k for k, v in named if k not in used and want == (tuple(v.shape), v.dtype, v.requires_grad)), None)
+        if name is None:
+            raise NotImplementedError(f"the compiled graph's input {len(out)} ({want}) is no parameter, buffer or input "
+                                      "of the model")
+        used.add(name)
+        out.append(name)
+    return out
+
+
+def stand_in(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> fx.GraphModule:
+    """A GraphModule on `gm`'s parameters and inputs whose forward and backward are `_Stand`'s."""
+    g = fx.Graph()
+    env = {n.target: g.node_copy(n, lambda a: None) for n in gm.graph.nodes if n.op == "placeholder"}
+    args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in _sources(gm, step, inputs)]
+    call = g.call_function(_runner(step), tuple(args))
+    leaves, spec = pytree.tree_flatten(gm.graph.find_nodes(op="output")[0].args[0])
+    made = iter(range(len(step.outputs)))
+    g.output(pytree.tree_unflatten([g.call_function(_item, (call, next(made))) if isinstance(x, fx.Node) else x
+                                    for x in leaves], spec))
+    return fx.GraphModule(gm, g)
+
+
+def _item(outs, i: int):
+    return outs[i]
+
+
+class CompiledPrediction:
+    """The joint graph of a traced model, captured once; per plan, its compiled step (plain data)
+    and the stand-in the eager replay runs in its place."""
+
+    what = "the compiled step's partition, replayed on fake tensors"
+    # the simulator models the eager step: the compiled one (min-cut recomputing cheap ops between
+    # regions) departs from it plan by plan, so the budget correction takes more steps
+    rounds, after_fit = 8, 3
+
+    def __init__(self, replay, compile_kwargs: dict | None = None):
+        self.replay = replay                        # the eager ExactReplay of the same analysis
+        a = replay.analysis
+        self.joint = capture_joint(annotated(a.traced.gm), a.example_inputs, compile_kwargs)
+        self.steps: dict[tuple, CompiledStep] = {}
+
+    def step(self, regions) -> CompiledStep:
+        key = tuple(regions)
+        if key not in self.steps:
+            self.steps[key] = compiled_step(self.joint, decisions(key, self.replay.names))
+        return self.steps[key]
+
+    def module(self, regions) -> fx.GraphModule:
+        a = self.replay.analysis
+        return stand_in(a.traced.gm, self.step(regions), a.example_inputs)
 
 
 class CompiledReplay:
-    """measure(regions) -> peak bytes of the compiled, rewritten step; compiled modules by plan."""
+    """measure(regions) -> peak bytes of the compiled step, measured at the allocator (real steps)."""
 
     what = "the compiled step, measured at the allocator (a real step per plan tried)"
     rounds = 6          # solves the budget correction may take (planner.solve.fit, NOTE [ budget correction ])
@@ -37,12 +150,10 @@ class CompiledReplay:
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
 
     def module(self, regions) -> torch.nn.Module:
-        """The compiled model rewritten with `regions` (compiled once per plan)."""
+        """The compiled model under `regions` (compiled once per plan)."""
         key = tuple(regions)
         if key not in self.compiled:
-            a = self.analysis
-            gm = rewrite(self.model, a.traced.gm, key, self.names, a.cost_graph.meta, tuple(m for m, _ in a.traced.opaque))
-            self.compiled[key] = torch.compile(gm, **self.compile_kwargs)
+            self.compiled[key] = compiled_module(self.model, self.analysis, key, self.names, self.compile_kwargs)
         return self.compiled[key]
 
     def _step(self, compiled) -> None:
@@ -64,4 +175,3 @@ class CompiledReplay:
                 self.peaks[key] = peak_memory(lambda: self._step(compiled), self.model, *inputs,
                                               device=device, allocator=True)
         return self.peaks[key]
-
