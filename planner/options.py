@@ -35,7 +35,7 @@ class SolveOptions:
     """A region spans at most this many consecutive cuts."""
     sac: bool = True
     """Also offer regions that keep their matmul/conv outputs (selective activation
-    checkpointing); compile mode turns this off (a SAC policy cannot be compiled into the graph)."""
+    checkpointing); in compile mode, the kept nodes are MUST_SAVE tags (planner/compiled/tags.py)."""
     threads: int = 1
     """CBC threads (1 keeps results deterministic)."""
     min_peak_nodes: int = 0

@@ -7,6 +7,7 @@ the compiled step in compile mode (runtime.rewrite.compiled). Each returns an `E
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Callable, ContextManager, NamedTuple
@@ -16,7 +17,7 @@ import torch
 from remat.planner import PlanOptions, solve_plan
 from remat.planner.options import PipelineRank
 from remat.planner.api import Analysis, analyze_for, input_signature
-from remat.planner.errors import PlanMismatchError, RematError, TraceError
+from remat.planner.errors import InfeasibleBudgetError, PlanMismatchError, RematError, TraceError
 from remat.planner.facts import StepFacts
 from remat.planner.solve.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_bytes
 from remat.planner.profile.graph import compute_nodes
@@ -32,7 +33,8 @@ from .book import Entry, PlanBook
 from .budget import StepBudget
 from .distributed.pipeline import rank_graph, rank_peak
 from .measure import dry_run_peak
-from .rewrite import REGION_PROBE, CompiledReplay, plan_modules, rewrite, rewrite_plan
+from .rewrite import REGION_PROBE, plan_modules, rewrite, rewrite_plan
+from .rewrite.compiled import COMPILED_MARGIN, CompiledPrediction, compiled_module
 from .signature import call_key
 
 log = logging.getLogger("remat.runtime")
@@ -184,11 +186,11 @@ def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs
     if s.options.pipeline is not None:      # the other micro-batches in flight (runtime/distributed/pipeline.py)
         a = replace(a, cost_graph=rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs))
     measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
+    if s.compile is not None:       # '%' of the compiled step without checkpointing, predicted
+        measure = compiled_measure(measure, s.compile)
+        return _compiled(s, book, a, budget.resolve(measure(())), measure)
     # '%' of the step without checkpointing: a pipeline rank's is its whole schedule.step, replayed
     budget_bytes = budget.resolve(measure(()) if s.options.pipeline else unplanned_peak_bytes(a.cost_graph, s.options))
-    if s.compile is not None:
-        book.solves += 1
-        return _compiled(s, a, budget_bytes)
     return _solved(s, book, a, budget_bytes, args, kwargs, measure)
 
 
@@ -233,13 +235,44 @@ def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tu
     return Entry(p, rewrite_plan(model, a.traced.gm, p), a.traced)
 
 
-def _compiled(s: Setting, a: Analysis, budget_bytes: int) -> Entry:
-    """A plan for the compiled step (runtime.rewrite.compiled): plain regions only (a SAC policy cannot be
-    compiled into the graph), each plan tried measured compiled."""
-    replay = CompiledReplay(s.model, a, s.loss_fn, s.compile)
-    options = replace(s.options, solve=replace(s.options.solve, sac=False))
-    p = solve_plan(a.cost_graph, budget_bytes, options, a.traced.opaque, measure=replay)
-    return Entry(p, replay.module(p.regions), a.traced)
+def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None) -> "ExactReplay":
+    """`replay` made the measure of compiled plans: each plan's compiled step partitioned and
+    replayed on fake tensors (runtime.rewrite.compiled `CompiledPrediction`), no real step."""
+    prediction = CompiledPrediction(replay, compile_kwargs)
+    replay.stand_in, replay.compiled = prediction.module, prediction
+    replay.what, replay.unplanned_guess = prediction.what, None     # the profile's metered peak is eager's
+    replay.rounds, replay.after_fit = prediction.rounds, prediction.after_fit
+    return replay
+
+
+def solve_compiled(cg, budget_bytes: int, options: PlanOptions, opaque, measure: "ExactReplay") -> Plan:
+    """`solve_plan` for the compiled step: within the budget less COMPILED_MARGIN (NOTE [ the
+    compiled margin ]); a refusal names the budget that fits with it."""
+    def out(n: int | None) -> int | None:
+        return None if n is None else math.ceil(n * (1 + COMPILED_MARGIN))
+    try:
+        p = solve_plan(cg, int(budget_bytes / (1 + COMPILED_MARGIN)), options, opaque, measure=measure,
+                       floor_if_needed=True)
+    except InfeasibleBudgetError as e:
+        raise InfeasibleBudgetError(budget_bytes, out(e.min_feasible_bytes), e.source, e.unit, e.asked) from None
+    why = (f"planned within {100 / (1 + COMPILED_MARGIN):.1f}% of the budget: the compiled step's prediction "
+           f"reads up to {100 * COMPILED_MARGIN:.0f}% under the allocator where a region recomputes several "
+           "blocks' dropout (NOTE [ the compiled margin ])")
+    return replace(p, budget_bytes=budget_bytes, min_feasible_bytes=out(p.min_feasible_bytes), notes=p.notes + (why,))
+
+
+def _compiled(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, measure: "ExactReplay") -> Entry:
+    """A plan for the compiled step (runtime.rewrite.compiled): regions and selective-checkpointing
+    policies as the partitioner's tags, each plan tried predicted on fake tensors; the chosen plan's
+    model compiled (lazily: at its first call)."""
+    book.solves += 1
+    t0 = time.perf_counter()
+    p = solve_compiled(a.cost_graph, budget_bytes, s.options, a.traced.opaque, measure)
+    spent = {**a.times, "joint": measure.compiled.joint.seconds, "solve": time.perf_counter() - t0 - measure.seconds,
+             "replay": measure.seconds}
+    p = replace(p, unplanned_peak_bytes=measure(())).noting(
+        plan_time={**{k: round(v, 3) for k, v in spent.items()}, "replays": len(measure.peaks)})
+    return Entry(p, compiled_module(s.model, a, p.regions, measure.names, s.compile), a.traced)
 
 
 def check_matches(plan: Plan, traced, named: dict) -> None:
@@ -282,6 +315,8 @@ class ExactReplay:
     def __init__(self, model: torch.nn.Module, analysis, loss_fn, pipeline: PipelineRank | None = None):
         self.model, self.analysis, self.loss_fn = model, analysis, analysis.fake_loss or loss_fn
         self.pipeline = pipeline                # a pipeline rank: its whole schedule.step is replayed
+        self.stand_in = None                    # compile mode: regions -> the compiled step's stand-in
+        self.compiled = None                    # compile mode: its CompiledPrediction
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
@@ -308,10 +343,13 @@ class ExactReplay:
         or the optimizer's step when that is higher (the same under every plan)."""
         a, facts = self.analysis, self.facts
         with training_modes(self.model):             # the step planned is a training step (planner.step.state)
-            gm = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque)
+            if self.stand_in is not None:           # compile mode: the compiled step's stand-in (runtime.rewrite.compiled)
+                gm, opaque = self.stand_in(regions), ()
+            else:
+                gm, opaque = rewrite(self.model, a.traced.gm, regions, self.names, facts, self.opaque), self.opaque
             if self.pipeline is not None:
                 return self._rank(gm)
-            replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, self.opaque, a.opaque_examples,
+            replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, opaque, a.opaque_examples,
                                     keep_output=facts.keep_output, grads=facts.accumulates)
         # held throughout: the optimizer's state, the math libraries' workspaces (planner/step/workspace.py)
         return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)

@@ -15,7 +15,7 @@ from remat.planner.result import Plan
 
 from .measure import peak_memory, preserved, training_loss
 from .measure.timing import StepTiming, interleaved_times, step_timing
-from .planning import ExactReplay
+from .planning import ExactReplay, compiled_measure, solve_compiled
 from .rewrite import CompiledReplay, RecomputeTimes, rewrite_plan
 
 
@@ -39,16 +39,22 @@ def split_inputs(inputs) -> tuple[tuple, dict]:
     raise TypeError(f"inputs must be a tuple, a dict or a tensor, got {type(inputs).__name__}")
 
 
+def compiled_step_measure(loaded: Loaded, analysis: Analysis):
+    """The measure of compiled plans for `loaded` (runtime.planning `compiled_measure`): its call on
+    no regions is the compiled step's unplanned peak, what a '%' budget is a fraction of."""
+    return compiled_measure(ExactReplay(loaded.model, analysis, loaded.loss_fn), {})
+
+
 def solve_budget(loaded: Loaded, analysis: Analysis, budget_bytes: int, options: PlanOptions,
-                 compiled: bool = False) -> Plan:
+                 compiled=None) -> Plan:
     """The least-recompute plan for the budget, every candidate replayed exactly on fake tensors
-    (with opaque modules, the larger of that and the simulator) or, `compiled`, compiled and run
-    for real (runtime.rewrite.compiled; plain regions only). Raises InfeasibleBudgetError."""
+    (with opaque modules, the larger of that and the simulator); with `compiled` (True, or a
+    `compiled_step_measure`), the compiled step's partition replayed (runtime.rewrite.compiled).
+    Raises InfeasibleBudgetError."""
     if compiled:
-        options = replace(options, solve=replace(options.solve, sac=False))
-        measure = CompiledReplay(loaded.model, analysis, loaded.loss_fn, {})
-    else:
-        measure = ExactReplay(loaded.model, analysis, loaded.loss_fn)
+        measure = compiled if not isinstance(compiled, bool) else compiled_step_measure(loaded, analysis)
+        return solve_compiled(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque, measure)
+    measure = ExactReplay(loaded.model, analysis, loaded.loss_fn)
     return solve_plan(analysis.cost_graph, budget_bytes, options, analysis.traced.opaque, measure=measure)
 
 

@@ -255,7 +255,8 @@ def _noted(plan: Plan, pb: _Problem) -> Plan:
 # solves at most look for a cheaper one.
 DEFAULT_ROUNDS = 4
 FIRST_SCALE = 1.05
-AFTER_FIT = 1             # solves tried above the first plan that fits (it is rarely bettered twice)
+AFTER_FIT = 1             # solves tried above the first plan that fits (it is rarely bettered twice);
+                          # a measure may ask for more (`after_fit`: the compiled step's, runtime.rewrite.compiled)
 CLOSE_ENOUGH = 0.005
 MIN_STEP = 0.002
 ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
@@ -302,7 +303,7 @@ def _fit(pb: _Problem) -> Choice:
                 elif corrected <= effective:
                     break
                 if tries_left is None:
-                    tries_left = AFTER_FIT
+                    tries_left = getattr(pb.measure, "after_fit", AFTER_FIT)
         if go_up:
             under = effective if under is None else max(under, effective)
         else:

@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     from remat.planner.solve.fit import unplanned_peak_bytes
 
     from ..budget import StepBudget
-    from ..steps import Loaded, measure_extra_pct, measure_peak_bytes, solve_budget, time_plan
+    from ..steps import Loaded, compiled_step_measure, measure_extra_pct, measure_peak_bytes, solve_budget, time_plan
     from .session import UsageError, hf_config_model, load_model, make_optimizer, model_code, profile_model
 
 _VALUE_FLAGS = ("--budget", "--budgets", "--max-overhead")   # may take values that start with '-'
@@ -85,7 +85,7 @@ def _json(obj) -> str:
 
 # ----------------------------------------------------------------------------- commands
 def _options(a) -> PlanOptions:
-    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit, sac=not getattr(a, "compile", False)),
+    return PlanOptions(solve=SolveOptions(time_limit_s=a.time_limit),
                        accumulation_steps=a.accumulation, target_device=a.target_device, cost_model=a.costs)
 
 
@@ -125,7 +125,12 @@ def _per_rank(a, loaded: Loaded, say) -> Analysis:
 def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     budget = StepBudget(parse_budget(a.budget))
     loaded, analysis = _profile(a, say)
-    budget_bytes = budget.resolve(unplanned_peak_bytes(analysis.cost_graph, _options(a)))
+    if getattr(a, "compile", False):       # '%' of the compiled step without checkpointing, predicted
+        say("capturing the compiled step's joint graph on fake tensors ...")
+        a.compiled_measure = compiled_step_measure(loaded, analysis)
+        budget_bytes = budget.resolve(a.compiled_measure(()))
+    else:
+        budget_bytes = budget.resolve(unplanned_peak_bytes(analysis.cost_graph, _options(a)))
     given = budget.asked.text()
     size = budget.size_text(budget_bytes)
     say(f"solving for {size}{'' if given == size else f' ({given})'} ...")
@@ -144,12 +149,11 @@ def _solve(a, say):
     loaded, analysis, budget_bytes = _prepare(a, say)
     try:
         with model_code(f"cannot plan {loaded.label}"):
-            if a.compile:
-                say("compile mode: every plan tried is compiled and run for real (a compile each) ...")
             if a.fsdp or a.ddp:         # the simulator's per-rank prediction (a replay would run one process)
                 return loaded, analysis, solve_plan(analysis.cost_graph, budget_bytes, _options(a),
                                                     analysis.traced.opaque)
-            return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a), a.compile)
+            return loaded, analysis, solve_budget(loaded, analysis, budget_bytes, _options(a),
+                                                  getattr(a, "compiled_measure", None))
     except InfeasibleBudgetError as e:
         _does_not_fit(a, e, loaded.label)
         return None
@@ -419,8 +423,9 @@ def parser() -> argparse.ArgumentParser:
         _costs(p)
     for p in (report, check):
         p.add_argument("--compile", action="store_true",
-                       help="plan for the torch.compile'd step: each plan tried is compiled and its real step "
-                            "measured (plain regions only; a compile per plan)")
+                       help="plan for the torch.compile'd step: each plan tried is partitioned as Inductor "
+                            "will and replayed on fake tensors (with --measure, the chosen plan is compiled and "
+                            "its real step measured)")
     return ap
 
 
