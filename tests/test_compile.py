@@ -50,8 +50,7 @@ def test_compiled_plan_fits_and_trains_like_the_original(case, name):
     budget = c.budget(0.7)
     ex, ref, model, wrapped = _compiled(name, budget)
     plan = wrapped.remat.plan
-    assert plan.regions and not any(r.saved for r in plan.regions)
-    assert plan.predicted_peak_bytes <= budget
+    assert plan.regions and plan.predicted_peak_bytes <= budget
     assert "compiled step" in " ".join(plan.notes)
     # one graph per plan tried, and no graph breaks: the regions are compiled in
     assert not counters["graph_break"]

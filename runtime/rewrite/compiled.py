@@ -89,14 +89,16 @@ def _runner(step: CompiledStep):
 
 def _sources(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> list[str]:
     """Which parameter, buffer or input each of the compiled forward's inputs is (by name): the first
-    unused one of its shape, dtype and need of a gradient (same-shaped ones are alike to memory)."""
+    unused one of its shape, dtype and need of a gradient, else of its shape and dtype (same-shaped
+    ones are alike to memory; the stand-in's gradient of a tensor that needs none is dropped)."""
     named = [(k, v) for k, v in (*gm.named_parameters(), *gm.named_buffers())] + \
         [(f"input:{k}", v) for k, v in inputs.items() if isinstance(v, torch.Tensor)]
     used: set[str] = set()
     out = []
     for m, g in zip(step.primals, step.grads):
         want = None if m is None else (tuple(m[0]), m[2], g is not None)
-        name = next((k for k, v in named if k not in used and want == (tuple(v.shape), v.dtype, v.requires_grad)), None)
+        name = next((k for k, v in named if k not in used and want == (tuple(v.shape), v.dtype, v.requires_grad)),
+                    None) or next((k for k, v in named if k not in used and want[:2] == (tuple(v.shape), v.dtype)), None)
         if name is None:
             raise NotImplementedError(f"the compiled graph's input {len(out)} ({want}) is no parameter, buffer or input "
                                       "of the model")
