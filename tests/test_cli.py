@@ -188,7 +188,7 @@ SLOW_RUNS = {
     "test_report_json_kwargs_factory": {"kwargs": ["report", "{models}:make_kwargs", "--budget", "70%", "--json", *FAST]},
     "test_check_fits_and_measures": {"measure": ["check", "{models}:make", "--budget", "80%", "--measure", *FAST]},
     "test_check_compiled_measures_the_compiled_step": {
-        "compiled check": ["check", "{models}:make", "--budget", "60%", "--compile", "--measure", "--json", *FAST]},
+        "compiled check": ["check", "{models}:make", "--budget", "75%", "--compile", "--measure", "--json", *FAST]},
     "test_check_too_small": {"too small": ["check", "{models}:make", "--budget", "1%", *FAST],
                              "too small json": ["check", "{models}:make", "--budget", "1%", "--json", *FAST]},
     "test_check_overhead_cap": {"cap": ["check", "{models}:make", "--budget", "70%", "--max-overhead", "1%", "--json",
@@ -272,9 +272,9 @@ def test_check_fits_and_measures(slow_runs):
 
 @pytest.mark.slow
 def test_check_compiled_measures_the_compiled_step(slow_runs):
-    """--compile: regions planned against the compiled step's measured peak, which is measured
-    again afresh (--measure) and is within the budget. (That a compiled plan's regions are plain
-    and its notes say "compiled step": tests/test_compile.py, in process.)"""
+    """--compile: regions planned against the compiled step's predicted peak; the chosen plan is
+    compiled and its real step measured (--measure), within the budget. (The prediction against
+    the allocator, plan by plan: tests/test_compiled_memory.py.)"""
     r = slow_runs["compiled check"].result()
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(r.stdout)

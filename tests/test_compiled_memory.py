@@ -16,6 +16,8 @@ from remat.planner.compiled.tags import _forward_nodes, decisions, partition, ta
 from remat.planner.solve.baselines import known_plans
 from remat.runtime import examples
 from remat.runtime.api import plan_and_wrap
+
+from helpers import FAST
 from remat.runtime.planning import ExactReplay, compiled_measure
 from remat.runtime.rewrite.compiled import COMPILED_MARGIN, CompiledReplay
 
@@ -99,3 +101,17 @@ def test_recomputed_dropout_draws_the_forwards_numbers():
         grads.append([p.grad for p in params])
     for g, r in zip(*grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_larger_budget_never_recomputes_more():
+    ex, a, measure = _setup("gpt2-2l")
+    from remat.planner.solve.simulate import timeline
+    from remat.runtime.steps import Loaded, solve_budget
+    loaded = Loaded(ex.model, ex.inputs, {}, ex.loss_fn, "gpt2-2l")
+    unplanned = measure(())
+    plans = [solve_budget(loaded, a, int(unplanned * f), FAST, measure) for f in (0.8, 0.9, 1.0, 1.1)]
+    costs = [timeline(a.cost_graph, p.regions).recompute_s for p in plans]
+    assert all(p.predicted_peak_bytes * (1 + COMPILED_MARGIN) <= p.budget_bytes * 1.0001 for p in plans)
+    assert costs == sorted(costs, reverse=True), costs
+    assert not plans[-1].regions        # the unplanned step fits: nothing recomputed
