@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.pipeline_run import D, MB, SEQ, START_METHOD, VOCAB, _schedule_class, batch, loss_fn, stages
+from benchmarks.pipeline_run import (D, MB, SEQ, START_METHOD, VOCAB, _schedule_class, batch, loss_fn,
+                                     saved_rank_result, stages)
 
 N_RANKS, N_STAGES = 4, 2
 SCHEDULES = ("gpipe", "1f1b")
@@ -132,16 +132,10 @@ def _rank(rank: int, cfgs: list[dict], store_path: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, N_RANKS), rank=rank, world_size=N_RANKS)
-    try:
+    def run():
         mesh = init_device_mesh("cpu", (N_STAGES, N_RANKS // N_STAGES), mesh_dim_names=("pp", "dp"))
-        result = [_steps(rank, mesh, cfg) for cfg in cfgs]
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        raise
-    else:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        return [_steps(rank, mesh, cfg) for cfg in cfgs]
+    saved_rank_result(rank, out_dir, run)
 
 
 def run_many(cfgs: list[dict]) -> list[list[dict]]:

@@ -262,8 +262,14 @@ def _rank(rank: int, cfgs: list[dict], store_path: str, out_dir: str) -> None:
     world = cfgs[0]["n_stages"]
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    saved_rank_result(rank, out_dir, lambda: [_rank_steps(rank, cfg) for cfg in cfgs])
+
+
+def saved_rank_result(rank: int, out_dir: str, run) -> None:
+    """`run()`'s result saved as this rank's file (its traceback instead, when it raises); the
+    process group destroyed after."""
     try:
-        result = [_rank_steps(rank, cfg) for cfg in cfgs]
+        result = run()
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise
