@@ -238,6 +238,11 @@ def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tu
 def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None) -> "ExactReplay":
     """`replay` made the measure of compiled plans: each plan's compiled step partitioned and
     replayed on fake tensors (runtime.rewrite.compiled `CompiledPrediction`), no real step."""
+    a = replay.analysis
+    if any(t.device.type == "meta" for t in [*replay.model.parameters(), *a.example_inputs.values()]
+           if isinstance(t, torch.Tensor)):
+        raise ValueError("compile=True plans with the model's real tensors (Inductor's joint-graph passes do not "
+                         "keep a graph on meta): plan a meta model without compile=")
     prediction = CompiledPrediction(replay, compile_kwargs)
     replay.stand_in, replay.compiled = prediction.module, prediction
     replay.what, replay.unplanned_guess = prediction.what, None     # the profile's metered peak is eager's

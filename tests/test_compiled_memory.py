@@ -115,3 +115,10 @@ def test_a_larger_budget_never_recomputes_more():
     assert all(p.predicted_peak_bytes * (1 + COMPILED_MARGIN) <= p.budget_bytes * 1.0001 for p in plans)
     assert costs == sorted(costs, reverse=True), costs
     assert not plans[-1].regions        # the unplanned step fits: nothing recomputed
+
+
+def test_a_model_on_meta_is_refused_in_compile_mode():
+    with torch.device("meta"):
+        ex = examples.mlp(depth=2, width=32, batch=8, in_features=16)
+    with pytest.raises(ValueError, match="plan a meta model without compile="):
+        plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
