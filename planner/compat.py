@@ -32,7 +32,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "pytree", "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode",
            "FunctionalTensor",
            "TorchDispatchMode", "UnsupportedOperatorException", "compute_required_storage_length",
-           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count",
+           "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count", "view_base",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
            "partitioner_base", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
@@ -84,6 +84,11 @@ def tensor_use_count(t: torch.Tensor) -> int:
 def storage_use_count(st: torch.UntypedStorage) -> int:
     """How many references hold the storage `st`: its Python object's one, and each tensor's on it."""
     return torch._C._storage_Use_Count(st._cdata)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (its `_base`, which its view holds a reference to), or None."""
+    return t._base
 
 
 def functorch_active() -> bool:
