@@ -122,3 +122,26 @@ def test_a_model_on_meta_is_refused_in_compile_mode():
         ex = examples.mlp(depth=2, width=32, batch=8, in_features=16)
     with pytest.raises(ValueError, match="plan a meta model without compile="):
         plan_and_wrap(ex.model, 1.0, example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
+
+
+@pytest.mark.slow
+def test_an_exported_hugging_face_model_keeps_its_output_and_budget():
+    """A model captured by torch.export (its output rebuilt as a ModelOutput): the loss reads
+    `.logits` in the prediction's replay as in training, and the compiled step fits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                                                 n_positions=64)).train()
+    ids = torch.randint(0, 256, (4, 64))
+
+    def loss_fn(out):
+        return out.logits.float().logsumexp(-1).mean()
+    wrapped = plan_and_wrap(model, "85%", example_inputs=(ids,), loss_fn=loss_fn, compile=True)
+    plan = wrapped.remat.plan
+    assert plan.regions and plan.trace_path == "torch.export"
+    loss_fn(wrapped(ids)).backward()
+    model.zero_grad(set_to_none=True)
+    from remat.runtime.measure import peak_memory
+    measured = peak_memory(lambda: loss_fn(wrapped(ids)).backward(), model, ids, allocator=True)
+    assert measured <= plan.budget_bytes
+    assert measured <= plan.predicted_peak_bytes * (1 + COMPILED_MARGIN)

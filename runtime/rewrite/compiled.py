@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.compiled.joint import annotated, capture_joint
 from remat.planner.compiled.step import CompiledStep, compiled_step
@@ -113,10 +114,13 @@ def stand_in(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> fx.GraphMo
     env = {n.target: g.node_copy(n, lambda a: None) for n in gm.graph.nodes if n.op == "placeholder"}
     args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in _sources(gm, step, inputs)]
     call = g.call_function(_runner(step), tuple(args))
-    leaves, spec = pytree.tree_flatten(gm.graph.find_nodes(op="output")[0].args[0])
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    structured = isinstance(out, fx.Node) and out.op == "call_module" and out.target == OUTPUT
+    leaves, spec = pytree.tree_flatten(tuple(out.args) if structured else out)
     made = iter(range(len(step.outputs)))
-    g.output(pytree.tree_unflatten([g.call_function(_item, (call, next(made))) if isinstance(x, fx.Node) else x
-                                    for x in leaves], spec))
+    outs = pytree.tree_unflatten([g.call_function(_item, (call, next(made))) if isinstance(x, fx.Node) else x
+                                  for x in leaves], spec)
+    g.output(g.call_module(OUTPUT, tuple(outs)) if structured else outs)     # an exported graph's structure
     return fx.GraphModule(gm, g)
 
 
