@@ -145,3 +145,16 @@ def test_an_exported_hugging_face_model_keeps_its_output_and_budget():
     measured = peak_memory(lambda: loss_fn(wrapped(ids)).backward(), model, ids, allocator=True)
     assert measured <= plan.budget_bytes
     assert measured <= plan.predicted_peak_bytes * (1 + COMPILED_MARGIN)
+
+
+@pytest.mark.slow
+@inductor_config.patch(fallback_random=True)
+def test_eager_rng_draws_recomputed_plan_and_train():
+    """With Inductor's `fallback_random`, dropout stays an eager-RNG op the partitioner replays from
+    saved RNG state (functionalize_rng_ops): the prediction's partition makes that state in the
+    captured graph's fake mode (it raised 'fake_mode must not be None' outside the compile)."""
+    ex = MODELS["gpt2-2l"]()
+    wrapped = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
+    assert wrapped.remat.plan.regions
+    ex.loss_fn(wrapped(*ex.inputs)).backward()
+    assert all(p.grad is not None for p in ex.model.parameters())

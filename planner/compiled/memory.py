@@ -122,7 +122,7 @@ def _kernels(g: fx.Graph, outputs: set[fx.Node], copied: frozenset) -> tuple[lis
         elif n.op == "call_function":       # a view reads its base; an unmade op, what it is computed from
             ins = n.all_input_nodes[:1] if kind(n) == "view" else n.all_input_nodes
             reads[n] = set().union(*(reads.get(a, set()) for a in ins))
-    key = {storage_key(t): (t.untyped_storage().nbytes(), t.dtype) for n in g.nodes for t in _tensors(n)}
+    key = {storage_key(t): (int(t.untyped_storage().nbytes()), t.dtype) for n in g.nodes for t in _tensors(n)}
     key.update({("copy", s): key[s] for s in copied})
     kernels = [([storage_key(t) for t in _tensors(k)], set().union(*(reads.get(a, set()) for a in k.all_input_nodes)), k)
                for k in g.nodes if k in made]
@@ -170,7 +170,7 @@ def _workspace(n: fx.Node | None) -> int:
     if n is None or n.target is not torch.ops.aten.convolution_backward.default or not n.args[-1][1]:
         return 0
     w = n.args[2].meta.get("val")
-    return 2 * w.untyped_storage().nbytes() if isinstance(w, torch.Tensor) else 0
+    return 2 * int(w.untyped_storage().nbytes()) if isinstance(w, torch.Tensor) else 0
 
 
 def graph_memory(gm: fx.GraphModule, held: set, counted_inputs: set, copied: frozenset = frozenset(),

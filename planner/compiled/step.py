@@ -24,7 +24,7 @@ Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride
 
 def _meta(n: fx.Node | None) -> Meta | None:
     v = None if n is None else n.meta.get("val")
-    return (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else None
+    return (tuple(map(int, v.shape)), tuple(map(int, v.stride())), v.dtype) if isinstance(v, torch.Tensor) else None
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _saved(outs: list, first: int, skip: set) -> tuple[int, ...]:
         t = _tensor(n)
         if t is not None and storage_key(t) not in seen:
             seen.add(storage_key(t))
-            saved.append(t.untyped_storage().nbytes())
+            saved.append(int(t.untyped_storage().nbytes()))
     return tuple(saved)
 
 
@@ -97,7 +97,7 @@ def compiled_step(joint: Joint, decided: Decisions) -> CompiledStep:
         saved_bytes=_saved(outs, joint.kwargs["num_fwd_outputs"], static | made_outs),
         forward=graph_memory(fw, held=static, counted_inputs=set(), copied=copies),
         backward=graph_memory(bw, held=held, counted_inputs=counted, channels_last=bool(copied)),
-        tangent_bytes=sum(t.untyped_storage().nbytes() for t in tangents),
+        tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents),
         grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied and p.name.startswith("primals")
                     and _meta(g) is not None and len(_meta(g)[0]) == 4 else _meta(g) for p, g in zip(primals, grads)),
         recomputed_ops=_recomputed(fw, bw), seconds=time.process_time() - t0)

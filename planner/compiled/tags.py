@@ -6,6 +6,7 @@ graph, the same tags, the same min-cut partitioner.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from remat.planner.compat import min_cut_partition, partitioner_base
+from remat.planner.compat import FakeTensor, min_cut_partition, partitioner_base, tree_leaves
 from remat.planner.result import Region
 
 from .joint import KEY, Joint
@@ -67,7 +68,11 @@ def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.Grap
     """The forward and backward graphs the training compile makes of `joint` under `decided`."""
     gm = copy.deepcopy(joint.gm)
     tag(gm, decided)
-    return min_cut_partition(gm, joint.inputs, **joint.kwargs)
+    # inside the compile's fake mode, as Inductor calls it: the partitioner makes fake RNG state for
+    # recomputed eager-RNG draws (functionalize_rng_ops) in the fake mode it finds
+    fake = next((t.fake_mode for t in tree_leaves(joint.inputs) if isinstance(t, FakeTensor)), None)
+    with fake if fake is not None else contextlib.nullcontext():
+        return min_cut_partition(gm, joint.inputs, **joint.kwargs)
 
 
 class Tagged(partitioner_base()):

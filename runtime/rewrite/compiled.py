@@ -36,10 +36,11 @@ from ..measure import peak_memory, preserved, training_loss
 # (2 and 6 layers) under four plans each (none, every block, two or three blocks a region, SAC
 # every block), 15 of 16 predictions were 0 to 0.13% over the measured peak; the GPT with three
 # blocks to a region read 6% under (28,657,824 B predicted, 30,477,476 B measured): Inductor keeps
-# dropout draws and recomputed values across the region that the replay frees (issue 45's note).
-# Until the replay models that, compile mode plans within the budget less COMPILED_MARGIN, so the
-# measured peak stays within the budget; the plan's notes say so.
-COMPILED_MARGIN = 0.07
+# dropout draws and recomputed values across the region that the replay frees. Over models and
+# budgets (benchmarks/results/compile.md) the furthest under was unet at 70%: measured 7.2% above
+# the prediction. Until the replay models that, compile mode plans within the budget less
+# COMPILED_MARGIN, so the measured peak stays within the budget; the plan's notes say so.
+COMPILED_MARGIN = 0.08
 
 
 def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str, ...],
