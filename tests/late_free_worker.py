@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from remat import peak_memory                                   # noqa: E402
 from remat.runtime.measure import allocator_peak                # noqa: E402
+from meter_worker import write_result                           # noqa: E402  (this folder: sys.path[0])
 
 N, DELAY, REPS = 250_000, 0.2, 2
 
@@ -58,14 +59,7 @@ def metered(rank: int) -> dict:
 def rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = metered(rank)
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"late-{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if "error" in result:
-        raise RuntimeError(result["error"])        # mp.spawn ends the other rank: none waits
+    write_result(os.path.join(out_dir, f"late-{rank}.json"), lambda: metered(rank))
     dist.destroy_process_group()
 
 

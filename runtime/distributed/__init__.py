@@ -14,7 +14,9 @@ Every rank runs the same plan: it is solved on rank 0 and broadcast.
 
 The parts: `fsdp` (the engine, what a rank holds, a plain copy: every private FSDP2 access),
 `units` (the graph each unit runs), `plan` (solve, agree, install), `job` (a job of any size
-planned from one process).
+planned from one process). Pipeline stages: `pipeline` (a rank's whole schedule.step),
+`interleaved` (a rank of several stages), `pipeline_fsdp` (a stage under FSDP2), `pipeline_job`
+(a whole pipeline job from one process).
 """
 from .fsdp import engine, fsdp_sharding, plain_copy, unit_sizes
 from .job import blocks_of, fake_world, per_rank_analysis, shard_per_block

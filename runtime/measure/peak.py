@@ -14,7 +14,7 @@ from remat.planner.compat import ProfilerEventType, tree_flatten
 
 from remat.planner.step.storage import LiveBytes, storage_of, tensors_in
 
-from .released import MARK, STEP, Collectives, ReleaseMarks, ranked, waits_seen
+from .released import MARK, STEP, ReleaseMarks, Settling, ranked
 
 
 def _tensors(things) -> list[torch.Tensor]:
@@ -108,7 +108,7 @@ def plain(t: torch.Tensor) -> list[torch.Tensor]:
 # segment of the step, and the peak is the largest of a segment's own peak plus the bytes of the
 # held storages first read after it began.
 
-class StorageMeter(LiveBytes):
+class StorageMeter(Settling, LiveBytes):
     """LiveBytes for a step on real tensors (the fake replay's is LiveBytes): a storage is counted
     at its size when it is resized (NOTE [ storages resized outside the dispatcher ]), one no op
     made from its first read until it is freed (NOTE [ storages no op made ]), one a collective
@@ -119,20 +119,8 @@ class StorageMeter(LiveBytes):
         self._grown: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [bytes since counted]
         self._reads: list[list[int]] = []         # per storage no op made, in order: [its bytes, 0 once freed]
         self._segment_peaks: list[int] = []       # the peak before each of those was first read
-        self.collectives = Collectives()
-        self._waits = waits_seen(self.collectives)
+        self.watch_collectives()
         super().__init__(baseline=baseline)
-
-    def __enter__(self):
-        self._waits.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.settle()
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._waits.__exit__(*exc)
 
     def settle(self) -> None:
         """Count as freed the storages collectives hold that the step's thread no longer does

@@ -212,19 +212,16 @@ def ranked() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class ReleaseMarks(TorchDispatchMode):
-    """For `allocator_peak` on a rank: a profiler event `MARK` + address where NOTE [ frees on a
-    collective's thread ] takes a storage a collective held as freed (the ops are watched, not
-    changed), and one `STEP` on the step's thread as it starts."""
+class Settling:
+    """A dispatch mode (a base before it) watching the step's collectives: `collectives` and their
+    waits seen while it is entered, and `settle()` (the subclass's: what it does with the storages
+    only collectives still hold) run as it exits."""
 
-    def __init__(self):
-        super().__init__()
+    def watch_collectives(self) -> None:
         self.collectives = Collectives()
         self._waits = waits_seen(self.collectives)
 
     def __enter__(self):
-        with record_function(STEP):
-            pass
         self._waits.__enter__()
         return super().__enter__()
 
@@ -234,6 +231,21 @@ class ReleaseMarks(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._waits.__exit__(*exc)
+
+
+class ReleaseMarks(Settling, TorchDispatchMode):
+    """For `allocator_peak` on a rank: a profiler event `MARK` + address where NOTE [ frees on a
+    collective's thread ] takes a storage a collective held as freed (the ops are watched, not
+    changed), and one `STEP` on the step's thread as it starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.watch_collectives()
+
+    def __enter__(self):
+        with record_function(STEP):
+            pass
+        return super().__enter__()
 
     def settle(self) -> None:
         with disable_current_modes():
