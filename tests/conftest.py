@@ -73,7 +73,7 @@ def builtin(case):
 # Module-scoped fixtures that run many subprocesses or a whole job for their module's tests: each
 # xdist worker that runs one of those tests runs the fixture again, so their tests go to one worker
 # (with --dist loadgroup). In CI at 5101df5 both workers ran each of them: 30-110 s each time.
-ONE_WORKER = frozenset({"bad_runs", "slow_runs", "quick_runs", "two_ranks", "dist"})
+ONE_WORKER = frozenset({"bad_runs", "slow_runs", "quick_runs", "two_ranks", "dist", "runs"})
 
 
 @pytest.hookimpl(wrapper=True)     # around xdist's worker, which appends each group to its node id

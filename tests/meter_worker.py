@@ -81,22 +81,16 @@ def rank_main(rank: int, configs: list[str], world: int, port: int, out_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for config in configs:
-        write_result(os.path.join(out_dir, f"meter-{config}-{world}-{rank}.json"), lambda: metered(rank, config))
+        try:
+            result = metered(rank, config)
+        except BaseException:
+            result = {"error": traceback.format_exc()}
+        with open(os.path.join(out_dir, f"meter-{config}-{world}-{rank}.json"), "w") as f:
+            json.dump(result, f)
+        if "error" in result:
+            raise RuntimeError(result["error"])      # mp.spawn ends the other ranks: none waits
         dist.barrier()
     dist.destroy_process_group()
-
-
-def write_result(path: str, run) -> None:
-    """`run()`'s result written to `path` as JSON, or {"error": its traceback}, then raised (mp.spawn
-    ends the other ranks: none waits)."""
-    try:
-        result = run()
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    with open(path, "w") as f:
-        json.dump(result, f)
-    if "error" in result:
-        raise RuntimeError(result["error"])
 
 
 def collect(config: str, world: int, out_dir: str) -> dict | None:

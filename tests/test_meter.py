@@ -145,24 +145,6 @@ def test_a_plain_step_agrees_with_the_allocator():
     assert abs(measured - reference) <= 0.01 * reference, (measured, reference)
 
 
-def test_the_allocator_frees_what_a_collective_held_at_its_release_mark():
-    """NOTE [ frees on a collective's thread ] on hand-made profiler events: x (400 B) is let go of
-    by the step's thread at t=2 (its mark), y (800 B) made at t=3, x's own free seen at t=5 (the
-    worker's, late): the peak is y, not x + y, and x's free is not taken twice; without the mark,
-    x + y. A free on another thread of what the step did not allocate is left out."""
-    from remat.runtime.measure.peak import _step_frees, held_peak
-    inf = float("inf")
-    events = [(1, 0xA0, 400, inf, False), (3, 0xB0, 800, inf, False), (4, 0xB0, -800, inf, False),
-              (5, 0xA0, -400, inf, False), (6, 0xC0, 100, inf, False)]
-    assert held_peak(events, [(2, 0xA0)]) == 800
-    assert held_peak(events) == 1200
-    step, worker = 1, 2
-    threaded = [(1, 0xA0, 400, inf, False, step), (2, 0xD0, -300, inf, False, worker),
-                (3, 0xE0, -200, inf, False, step), (4, 0xA0, -400, inf, False, worker)]
-    assert [e[1] for e in _step_frees(threaded, step)] == [0xA0, 0xE0, 0xA0]
-    assert len(_step_frees(threaded, None)) == 4
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,23 +186,3 @@ def test_a_distributed_step_agrees_with_the_allocator(config, world, ranks):
     size besides their shards: 45.97 MB for 37.46 on 1 rank, 48.64 for 34.80 on 2."""
     for rank in ranks(config, world):
         assert abs(rank["meter"] - rank["allocator"]) <= 0.01 * rank["allocator"], rank
-
-
-@pytest.mark.slow
-def test_a_collectives_memory_freed_late_on_its_worker_thread_counts_where_the_step_let_go(tmp_path):
-    """NOTE [ frees on a collective's thread ] (tests/late_free_worker.py): the worker thread frees
-    x, all-reduced and let go of before y is made, 0.2 s after y exists; both meters count it
-    freed where the step's thread let go of it: y and its sum, 8N + 4 bytes, on every run and
-    rank. Before: x + y + 4 (12N + 4; the allocator's 12N + 12), whenever the worker was late (as
-    in FSDP2's gloo ranks: a reduce-scatter's input, an all-gather's output)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from late_free_worker import N
-    out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "late_free_worker.py"), str(_free_port()), str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    res = json.loads(out.read_text()) if out.exists() else {}
-    assert "ranks" in res, f"exit {r.returncode}: {res.get('error', r.stderr)[-3000:]}"
-    want = 4 * 2 * N + 4
-    for rank in res["ranks"]:
-        assert rank["meter"] == [want] * len(rank["meter"]), rank
-        assert all(abs(a - want) <= 0.01 * want for a in rank["allocator"]), rank

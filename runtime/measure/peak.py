@@ -14,8 +14,6 @@ from remat.planner.compat import ProfilerEventType, tree_flatten
 
 from remat.planner.step.storage import LiveBytes, storage_of, tensors_in
 
-from .released import MARK, STEP, ReleaseMarks, Settling, ranked
-
 
 def _tensors(things) -> list[torch.Tensor]:
     """The plain tensors `things` hold (see `plain`)."""
@@ -108,29 +106,17 @@ def plain(t: torch.Tensor) -> list[torch.Tensor]:
 # segment of the step, and the peak is the largest of a segment's own peak plus the bytes of the
 # held storages first read after it began.
 
-class StorageMeter(Settling, LiveBytes):
+class StorageMeter(LiveBytes):
     """LiveBytes for a step on real tensors (the fake replay's is LiveBytes): a storage is counted
     at its size when it is resized (NOTE [ storages resized outside the dispatcher ]), one no op
-    made from its first read until it is freed (NOTE [ storages no op made ]), one a collective
-    holds until the step's thread lets go of it (NOTE [ frees on a collective's thread ]), and a
-    wrapper subclass by its inner tensors (`plain`)."""
+    made from its first read until it is freed (NOTE [ storages no op made ]), and a wrapper
+    subclass by its inner tensors (`plain`)."""
 
     def __init__(self, baseline=()):
         self._grown: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [bytes since counted]
         self._reads: list[list[int]] = []         # per storage no op made, in order: [its bytes, 0 once freed]
         self._segment_peaks: list[int] = []       # the peak before each of those was first read
-        self.watch_collectives()
         super().__init__(baseline=baseline)
-
-    def settle(self) -> None:
-        """Count as freed the storages collectives hold that the step's thread no longer does
-        (NOTE [ frees on a collective's thread ]): this meter's frees of each, run now."""
-        for st in self.collectives.released():
-            for ref in weakref.getweakrefs(st):
-                done = ref.__callback__
-                info = done.peek() if isinstance(done, weakref.finalize) else None
-                if info is not None and getattr(info[1], "__self__", None) is self:
-                    done()
 
     def add(self, t: torch.Tensor, nbytes: int | None = None) -> bool:
         parts = plain(t)
@@ -177,8 +163,6 @@ class StorageMeter(Settling, LiveBytes):
 
     def resized(self, st: torch.UntypedStorage, before: int) -> None:
         """`st` was resized from `before` bytes (outside the dispatcher)."""
-        if self.collectives.watching:
-            self.settle()
         if not self._counted(st):                  # no op made it, none read it yet
             self._first_read(st, before)
         self._sync(st)
@@ -205,18 +189,12 @@ class StorageMeter(Settling, LiveBytes):
         self.live_bytes -= cell[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        collectives = self.collectives
-        if collectives.watching:
-            self.settle()
-        before = collectives.counts(args, kwargs) if func.namespace == "c10d" else None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable:          # out= and in-place ops, resize_: a size may have changed
             for t in tensors_in((args, kwargs)):
                 for st in map(storage_of, plain(t)):
                     if self._counted(st):
                         self._sync(st)
-        if before is not None or collectives.watching or collectives.waiting:
-            collectives.saw(func, args, kwargs, out, before)
         return out
 
 
@@ -250,17 +228,12 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
 
     Each profiler memory event carries the byte delta of one allocation or free; their running
     sum from the start of the step is what the step holds on top of what existed before it,
-    with the frees the profiler cannot see put back (NOTE [ unseen frees ]); on a rank, what a
-    collective held taken as freed where the step's thread let go of it (NOTE [ frees on a
-    collective's thread ]).
+    with the frees the profiler cannot see put back (NOTE [ unseen frees ]).
     """
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
-    marks = ReleaseMarks() if ranked() else None          # NOTE [ frees on a collective's thread ]
     with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with marks or contextlib.nullcontext(), resizes_seen(marks) if marks else contextlib.nullcontext():
-            step_fn()
-    events, released = _memory_events(prof.profiler.kineto_results.experimental_event_tree())
-    return sum(resident.values()) + held_peak(events, released)
+        step_fn()
+    return sum(resident.values()) + held_peak(_memory_events(prof.profiler.kineto_results.experimental_event_tree()))
 
 
 # NOTE [ unseen frees ]
@@ -278,66 +251,33 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
 # allocation is taken as freed at its unseen free's bound: the reuse of its address, or the end
 # of its top-level event (the autograd node or op that made it) when that comes first; one made
 # inside a c10d collective and still held at the step's end, at the end of its top-level event.
-# On a rank, what a collective holds is freed where the step's thread lets go of it instead, on a
-# mark the step leaves (NOTE [ frees on a collective's thread ]): these bounds are for the rest.
 
-def _memory_events(tree) -> tuple[list[tuple[int, int, int, float, bool]], list[tuple[int, int]]]:
+def _memory_events(tree) -> list[tuple[int, int, int, float, bool]]:
     """(time, address, bytes, end of the top-level event around it, made inside a c10d op) per
-    profiler memory event, in time order, and (time, address) per release mark (`ReleaseMarks`).
-    An allocation outside any event has no such end (inf: its unseen free is bounded by the reuse
-    of its address only). With a mark of the step's thread, a free another thread makes of what
-    the step did not allocate is left out (NOTE [ frees on a collective's thread ])."""
-    out, released, step_tid, stack = [], [], None, [(root, None, False) for root in tree]
+    profiler memory event, in time order; an allocation outside any event has no such end (inf:
+    its unseen free is bounded by the reuse of its address only)."""
+    out, stack = [], [(root, None, False) for root in tree]
     while stack:
         ev, top_end, c10d = stack.pop()
         if ev.tag == ProfilerEventType.Allocation:
             out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
-                        math.inf if top_end is None else top_end, c10d, ev.start_tid))
-        elif ev.name.startswith(MARK):
-            released.append((ev.start_time_ns, int(ev.name[len(MARK):])))
-        elif ev.name == STEP:
-            step_tid = ev.start_tid
+                        math.inf if top_end is None else top_end, c10d))
         c10d = c10d or ev.name.startswith("c10d::")
         stack += [(c, ev.end_time_ns if top_end is None else top_end, c10d) for c in ev.children]
-    return _step_frees(sorted(out, key=lambda e: e[0]), step_tid), sorted(released)
+    return sorted(out, key=lambda e: e[0])
 
 
-def _step_frees(events: list[tuple], step_tid: int | None) -> list[tuple[int, int, int, float, bool]]:
-    """`events` (with each one's thread last) without the frees of allocations made before the
-    step on threads other than `step_tid` (a collective's worker letting go of a past step's
-    memory, whenever it runs), and without the thread."""
-    made, out = set(), []
-    for t, ptr, nbytes, end, c10d, tid in events:
-        if nbytes > 0:
-            made.add(ptr)
-        elif step_tid is not None and tid != step_tid and ptr not in made:
-            continue
-        out.append((t, ptr, nbytes, end, c10d))
-    return out
-
-
-def held_peak(events: list[tuple[int, int, int, float, bool]], released=()) -> int:
+def held_peak(events: list[tuple[int, int, int, float, bool]]) -> int:
     """The peak of the running sum of `events` ((time, address, bytes, top-level end, in a c10d
     op), time-ordered; bytes < 0 a free), each free the profiler missed put back at its bound
-    (NOTE [ unseen frees ]), and each allocation `released` names ((time, address)) freed there,
-    its own free later ignored (NOTE [ frees on a collective's thread ])."""
-    deltas, held, put_back = [], {}, set()
-    marks = [(t, ptr, 0, t, None) for t, ptr in released]
-    for t, ptr, nbytes, end, c10d in sorted(list(events) + marks, key=lambda e: e[0]):
-        if c10d is None:                               # a release mark
-            if ptr in held:
-                deltas.append((t, -held.pop(ptr)[0]))
-                put_back.add(ptr)
-            continue
+    (NOTE [ unseen frees ])."""
+    deltas, held = [], {}
+    for t, ptr, nbytes, end, c10d in events:
         if nbytes > 0 and ptr in held:                 # the earlier allocation here was freed unseen
             before, before_end, _ = held.pop(ptr)
             deltas.append((min(before_end, t), -before))
         if nbytes > 0:
             held[ptr] = (nbytes, end, c10d)
-            put_back.discard(ptr)
-        elif ptr in put_back:                          # freed at its release mark already
-            put_back.discard(ptr)
-            continue
         else:
             held.pop(ptr, None)
         deltas.append((t, nbytes))
