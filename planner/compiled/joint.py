@@ -81,6 +81,9 @@ class _Keep(partitioner_base()):
     def uuid(self):
         return None         # never cached: the compile stops here
 
+    def __deepcopy__(self, memo):
+        return self         # torch copies Inductor's config to log it: not the joint graph held here
+
 
 # NOTE [ the joint graph, captured ]
 # The partitioner sees the graph Inductor compiles: Dynamo's capture, AOTAutograd's joint trace

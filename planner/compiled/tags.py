@@ -7,7 +7,6 @@ graph, the same tags, the same min-cut partitioner.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 from pathlib import Path
 
@@ -64,9 +63,17 @@ def tag(gm: fx.GraphModule, decided: Decisions) -> int:
     return recomputed
 
 
+def _copied(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with a graph of its own (its nodes' meta copied; not its pytree codegen, whose specs
+    warn when deep-copied)."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, g)
+
+
 def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward graphs the training compile makes of `joint` under `decided`."""
-    gm = copy.deepcopy(joint.gm)
+    gm = _copied(joint.gm)
     tag(gm, decided)
     # inside the compile's fake mode, as Inductor calls it: the partitioner makes fake RNG state for
     # recomputed eager-RNG draws (functionalize_rng_ops) in the fake mode it finds
@@ -84,6 +91,9 @@ class Tagged(partitioner_base()):
     def __call__(self, gm, joint_inputs, **kwargs):
         tag(gm, self.decided)
         return min_cut_partition(gm, joint_inputs, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self         # a config value: torch copies Inductor's config to log it
 
     def uuid(self):
         """Inductor's caches key compiled graphs by this: the code and the plan."""
