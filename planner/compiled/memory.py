@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from remat.planner.compat import storage_key
+from remat.planner.profile.graph import is_view
 
 # NOTE [ what Inductor materializes ]
 # A buffer exists for a kernel Inductor cannot fuse into its readers: extern kernels (matmuls,
@@ -48,8 +49,7 @@ def kind(n: fx.Node) -> str:
     t = n.target
     if t is operator.getitem:
         return "view"
-    schema = getattr(t, "_schema", None)
-    if schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+    if is_view(t):
         return "view"
     if torch.Tag.pointwise in getattr(t, "tags", ()) or _name(n) in _FUSIBLE:
         return "pointwise"

@@ -98,8 +98,8 @@ def compiled_step(joint: Joint, decided: Decisions) -> CompiledStep:
         forward=graph_memory(fw, held=static, counted_inputs=set(), copied=copies),
         backward=graph_memory(bw, held=held, counted_inputs=counted, channels_last=bool(copied)),
         tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents),
-        grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied and p.name.startswith("primals")
-                    and _meta(g) is not None and len(_meta(g)[0]) == 4 else _meta(g) for p, g in zip(primals, grads)),
+        grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied else _meta(g)
+                    for p, g in zip(primals, grads)),
         recomputed_ops=_recomputed(fw, bw), seconds=time.process_time() - t0)
 
 

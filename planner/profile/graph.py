@@ -98,6 +98,12 @@ def op_name(func) -> str:
     return f"{func.namespace}::{func._schema.name.split('::')[-1]}"
 
 
+def is_view(op) -> bool:
+    """The op returns an alias of an input without writing it (view, transpose, expand...)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
 def draws_random(func, args, kwargs, deterministic_ops: frozenset[str] = frozenset()) -> bool:
     """The op consumes the RNG: seeded ops (torch's `nondeterministic_seeded` tag), except those
     with a `dropout_p` of 0 (attention kernels carry the tag whether or not they drop out); and

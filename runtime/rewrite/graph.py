@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from remat.planner.compat import force_original_view_tracking
 from remat.planner.errors import UnsafePlanError
 from remat.planner.facts import StepFacts
-from remat.planner.profile.graph import compute_nodes, draws_random
+from remat.planner.profile.graph import compute_nodes, draws_random, is_view
 from remat.planner.result import Plan, Region
 from remat.planner.step.state import Snapshot
 
@@ -40,11 +40,6 @@ def save_scope_exit() -> None:
     _SAVE.depth -= 1
 
 
-def _is_view(op) -> bool:
-    """The op returns an alias of an input without writing it (view, transpose, expand...)."""
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
-
-
 def _policy(ctx, op, *args, deterministic_ops: frozenset[str] = frozenset(), **kwargs):
     """Save what the plan's saved nodes compute. Views are recomputed (they cost nothing, and a
     cached view would pin its base: often a tensor the plan drops); in-place ops stay cached so
@@ -55,7 +50,7 @@ def _policy(ctx, op, *args, deterministic_ops: frozenset[str] = frozenset(), **k
     recomputing the draw alone would rewrite a cached buffer (attention's dropout mask is
     `empty_like` then `bernoulli_`). The planner never keeps such nodes
     (planner.solve.baselines.sac_keepable); a plan that does is refused here, before anything is wrong."""
-    if getattr(_SAVE, "depth", 0) > 0 and not _is_view(op):
+    if getattr(_SAVE, "depth", 0) > 0 and not is_view(op):
         if draws_random(op, args, kwargs, deterministic_ops):
             raise UnsafePlanError(f"the plan keeps node {getattr(_SAVE, 'node', '?')!r}, which draws random numbers "
                                   f"({op}); its recompute could not replay them. Re-plan: remat's planner never "
