@@ -24,7 +24,8 @@ from remat.runtime.rewrite.compiled import COMPILED_MARGIN, CompiledReplay
 pytestmark = [pytest.mark.compile]
 
 MODELS = {"mlp": lambda: examples.mlp(depth=4, width=256, batch=256, in_features=128),
-          "gpt2-2l": lambda: examples.gpt2(n_layer=2, d_model=64, seq_len=64, batch=2, vocab=256),
+          # one block (a compile's kernels are most of a test's time): its attention's dropout is in a region
+          "gpt2": lambda: examples.gpt2(n_layer=1, d_model=64, seq_len=128, batch=4, vocab=256),
           "resnet": lambda: examples.resnet(blocks=(1, 1), width=16, image=16, batch=4)}
 
 
@@ -70,7 +71,7 @@ def test_compile_mode_plans_without_compiling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,plan", [("mlp", "every_block"), ("gpt2-2l", "every_block"), ("resnet", "every_block")])
+@pytest.mark.parametrize("name,plan", [("mlp", "every_block"), ("gpt2", "every_block"), ("resnet", "every_block")])
 def test_the_prediction_bounds_the_compiled_steps_allocator_peak(name, plan):
     """What compile mode promises: the measured peak within the prediction plus COMPILED_MARGIN
     (what a plan is fitted with), and the prediction not loose (benchmarks/results/compile.md has
@@ -89,7 +90,7 @@ def test_recomputed_dropout_draws_the_forwards_numbers():
     """The planned compiled GPT recomputes its regions' dropout from the forward's seeds: its loss
     and gradients are the unplanned compiled model's, drawn from the same seed (a fresh mask in the
     recompute would move the gradients by far more than the float32 reordering allowed here)."""
-    ex = MODELS["gpt2-2l"]()
+    ex = MODELS["gpt2"]()
     ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
     wrapped = plan_and_wrap(model, "85%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
     assert wrapped.remat.plan.regions
@@ -105,12 +106,12 @@ def test_recomputed_dropout_draws_the_forwards_numbers():
 
 @pytest.mark.slow
 def test_a_larger_budget_never_recomputes_more():
-    ex, a, measure = _setup("gpt2-2l")
+    ex, a, measure = _setup("gpt2")
     from remat.planner.solve.simulate import timeline
     from remat.runtime.steps import Loaded, solve_budget
-    loaded = Loaded(ex.model, ex.inputs, {}, ex.loss_fn, "gpt2-2l")
+    loaded = Loaded(ex.model, ex.inputs, {}, ex.loss_fn, "gpt2")
     unplanned = measure(())
-    plans = [solve_budget(loaded, a, int(unplanned * f), FAST, measure) for f in (0.8, 0.9, 1.0, 1.1)]
+    plans = [solve_budget(loaded, a, int(unplanned * f), FAST, measure) for f in (0.85, 0.9, 1.0, 1.1)]
     costs = [timeline(a.cost_graph, p.regions).recompute_s for p in plans]
     assert all(p.predicted_peak_bytes * (1 + COMPILED_MARGIN) <= p.budget_bytes * 1.0001 for p in plans)
     assert costs == sorted(costs, reverse=True), costs
@@ -153,7 +154,7 @@ def test_eager_rng_draws_recomputed_plan_and_train():
     """With Inductor's `fallback_random`, dropout stays an eager-RNG op the partitioner replays from
     saved RNG state (functionalize_rng_ops): the prediction's partition makes that state in the
     captured graph's fake mode (it raised 'fake_mode must not be None' outside the compile)."""
-    ex = MODELS["gpt2-2l"]()
+    ex = MODELS["gpt2"]()
     wrapped = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
     assert wrapped.remat.plan.regions
     ex.loss_fn(wrapped(*ex.inputs)).backward()
