@@ -36,7 +36,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
            "partitioner_base", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
-           "inductor_layout_opt"]
+           "inductor_layout_opt", "inductor_wrapper"]
 
 
 def clear_cublas_workspaces() -> None:
@@ -236,3 +236,53 @@ def inductor_layout_opt(gm) -> bool:
     (torch._inductor.graph.GraphLowering.decide_layout_opt: on CPU with mkldnn, nearly always)."""
     from torch._inductor.graph import GraphLowering
     return GraphLowering.decide_layout_opt(gm, is_inference=False)
+
+
+def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, dict[str, int], list]:
+    """The Python wrapper Inductor generates for a partitioned graph, without compiling a kernel:
+    the steps of torch._inductor.compile_fx's codegen (fake propagation, post-grad passes,
+    GraphLowering, its scheduler's fusion, the kernels' sources and the wrapper's memory plan) on
+    `gm` (changed in place) and its fake `inputs`; with each buffer's and input's storage bytes,
+    and each output's strides as Inductor lays it out (None: not a tensor).
+    A forward graph's `visible` outputs (the user's) keep their strides, as compile_fx_forward
+    marks them; None: a backward graph, marked as compile_fx_backward does."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
+                                            fake_tensor_prop)
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    from torch._guards import detect_fake_mode
+    fake_mode = detect_fake_mode(inputs)
+    # a real tensor among them (eager RNG's saved state, under Inductor's fallback_random) made fake
+    inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
+              for t in inputs]
+    out, is_backward = gm.graph.find_nodes(op="output")[0], visible is None
+    if is_backward:
+        leaves = pytree.arg_tree_leaves(*out.args)
+        visible = [i for i, n in enumerate(leaves) if isinstance(n, torch.fx.Node)] \
+            if inductor_config.bw_outputs_user_visible else []
+    out.meta["user_visible_output_idxs"] = visible
+    # the kernels' sources unvectorized: the wrapper's buffers are the same, in 60% of the time
+    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}):
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_tensor_prop(gm, inputs)
+        _recursive_record_original_output_strides(gm)
+        _recursive_post_grad_passes(gm, is_inference=False)
+        graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env, graph_id=0,
+                              is_inference=False, is_backward=is_backward)
+        with V.set_graph_handler(graph):
+            graph.run(*inputs)
+            strides = [tuple(map(int, o.get_layout().stride)) if o.has_tensor_output() else None
+                       for o in graph.graph_outputs]
+            code, _ = graph.codegen()
+            sizes = {}
+            for name, buf in [*graph.name_to_buffer.items(), *graph.graph_inputs.items()]:
+                try:
+                    layout = buf.get_layout()
+                    sizes[name] = int(layout.storage_size()) * layout.dtype.itemsize
+                except (AttributeError, NotImplementedError, TypeError, ValueError):
+                    pass            # a kernel's several outputs (each of its own is sized) or no tensor
+    return code.value, sizes, strides

@@ -1,6 +1,7 @@
 """Compile mode's prediction (planner/compiled/, runtime/rewrite/compiled.py): the plan reaches
-the partitioner as tags, the partition is the compile's, and the replay of its buffers is the
-allocator's peak of the real compiled step. The oracle is the compiled step itself, run."""
+the partitioner as tags, the partition is the compile's, and the replay of its buffers (checked
+by Inductor's own wrapper: NOTE [ the compiled check ]) is the allocator's peak of the real
+compiled step. The oracle is the compiled step itself, run."""
 import copy
 
 import pytest
@@ -13,13 +14,16 @@ from remat.planner.api import analyze
 from remat.planner.compiled.joint import KEY, annotated, capture_joint
 from remat.planner.compiled.step import compiled_step
 from remat.planner.compiled.tags import _forward_nodes, decisions, partition, tag
+from remat.planner.result import Region
 from remat.planner.solve.baselines import known_plans
 from remat.runtime import examples
 from remat.runtime.api import plan_and_wrap
 
 from helpers import FAST
 from remat.runtime.planning import ExactReplay, compiled_measure
-from remat.runtime.rewrite.compiled import COMPILED_MARGIN, CompiledReplay
+from remat.runtime.rewrite.compiled import CompiledReplay, compiled_module
+
+TOLERANCE = 1.03      # issue 45: predicted within [measured, +3%] at the allocator
 
 pytestmark = [pytest.mark.compile]
 
@@ -66,39 +70,45 @@ def test_compile_mode_plans_without_compiling():
     w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
     p = w.remat.plan
     assert p.regions and p.predicted_peak_bytes <= p.budget_bytes
-    assert "partition, replayed on fake tensors" in " ".join(p.notes)
+    assert "partition, replayed on fake tensors" in " ".join(p.notes) and "own memory plan" in " ".join(p.notes)
     assert not counters["inductor"].get("fxgraph_cache_miss") and not counters["inductor"].get("fxgraph_cache_hit")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,plan", [("mlp", "every_block"), ("gpt2", "every_block"), ("resnet", "every_block")])
 def test_the_prediction_bounds_the_compiled_steps_allocator_peak(name, plan):
-    """What compile mode promises: the measured peak within the prediction plus COMPILED_MARGIN
-    (what a plan is fitted with), and the prediction not loose (benchmarks/results/compile.md has
-    the accuracy over models, plans and budgets)."""
+    """What compile mode promises: the checked prediction (a plan's `predicted_peak_bytes`) at or
+    above the real compiled step's allocator peak and within 3% of it; the modelled one, which the
+    fit runs on, within 8% (benchmarks/results/compile.md has both over models, plans, budgets)."""
     ex, a, measure = _setup(name)
     regions = {"none": (), **known_plans(a.cost_graph)}[plan]
-    predicted = measure(regions)
+    predicted, modelled = measure.compiled.checked(regions), measure(regions)
     measured = CompiledReplay(ex.model, a, ex.loss_fn, {})(regions)
-    assert measured <= predicted * (1 + COMPILED_MARGIN), (predicted, measured)
-    assert predicted <= (1 + COMPILED_MARGIN) * measured, (predicted, measured)
+    assert measured <= predicted <= TOLERANCE * measured, (predicted, measured)
+    assert abs(modelled / measured - 1) < 0.08, (modelled, measured)
 
 
 @pytest.mark.slow
 @inductor_config.patch(fallback_random=False)
 def test_recomputed_dropout_draws_the_forwards_numbers():
-    """The planned compiled GPT recomputes its regions' dropout from the forward's seeds: its loss
-    and gradients are the unplanned compiled model's, drawn from the same seed (a fresh mask in the
-    recompute would move the gradients by far more than the float32 reordering allowed here)."""
+    """A compiled GPT whose block is a region recomputes its dropout from the forward's seeds:
+    its loss and gradients are the unplanned compiled model's, drawn from the same seed (a fresh mask
+    in the recompute would move the gradients by far more than the float32 reordering allowed
+    here). The plan is the known one: the planner avoids recomputing this model's attention dropout,
+    whose draw the backward keeps as a buffer (NOTE [ the compiled check ])."""
     ex = MODELS["gpt2"]()
     ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
-    wrapped = plan_and_wrap(model, "85%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
-    assert wrapped.remat.plan.regions
+    a = analyze(model, example_inputs=ex.inputs, loss_fn=ex.loss_fn)
+    names = tuple(n.name for n in a.cost_graph.nodes)
+    first = next(i for i, n in enumerate(names) if n.startswith("h_0_"))
+    regions = (Region(first, names.index("h_0_mlp_dropout")),)     # the block, its three dropouts in it
+    planned = compiled_module(model, a, regions, names)
     plain = torch.compile(ref)
     grads = []
-    for m, params in ((wrapped, model.parameters()), (plain, ref.parameters())):
+    for m, params in ((planned, model.parameters()), (plain, ref.parameters())):
         torch.manual_seed(3)
-        ex.loss_fn(m(*ex.inputs)).backward()
+        out = m(**a.example_inputs) if m is planned else m(*ex.inputs)
+        ex.loss_fn(out).backward()
         grads.append([p.grad for p in params])
     for g, r in zip(*grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
@@ -113,7 +123,7 @@ def test_a_larger_budget_never_recomputes_more():
     unplanned = measure(())
     plans = [solve_budget(loaded, a, int(unplanned * f), FAST, measure) for f in (0.85, 0.9, 1.0, 1.1)]
     costs = [timeline(a.cost_graph, p.regions).recompute_s for p in plans]
-    assert all(p.predicted_peak_bytes * (1 + COMPILED_MARGIN) <= p.budget_bytes * 1.0001 for p in plans)
+    assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
     assert costs == sorted(costs, reverse=True), costs
     assert not plans[-1].regions        # the unplanned step fits: nothing recomputed
 
@@ -131,9 +141,9 @@ def test_an_exported_hugging_face_model_keeps_its_output_and_budget():
     `.logits` in the prediction's replay as in training, and the compiled step fits."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
-                                                                 n_positions=64)).train()
-    ids = torch.randint(0, 256, (4, 64))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=256,
+                                                                 n_positions=128)).train()
+    ids = torch.randint(0, 256, (4, 128))       # its modelled peak read 12% under at 85% (NOTE [ the compiled check ])
 
     def loss_fn(out):
         return out.logits.float().logsumexp(-1).mean()
@@ -145,7 +155,7 @@ def test_an_exported_hugging_face_model_keeps_its_output_and_budget():
     from remat.runtime.measure import peak_memory
     measured = peak_memory(lambda: loss_fn(wrapped(ids)).backward(), model, ids, allocator=True)
     assert measured <= plan.budget_bytes
-    assert measured <= plan.predicted_peak_bytes * (1 + COMPILED_MARGIN)
+    assert measured <= plan.predicted_peak_bytes <= TOLERANCE * measured, (plan.predicted_peak_bytes, measured)
 
 
 @pytest.mark.slow

@@ -164,7 +164,7 @@ def _reuse(kernels: list[tuple[list, set]], last: dict, keep: set, key: dict) ->
     return took, taken
 
 
-def _workspace(n: fx.Node | None) -> int:
+def workspace(n: fx.Node | None) -> int:
     """Bytes a kernel holds while it runs beyond its outputs: oneDNN's channels-last convolution
     backward converts the weight's gradient through two weight-sized buffers (measured on torch 2.13.0, CPU)."""
     if n is None or n.target is not torch.ops.aten.convolution_backward.default or not n.args[-1][1]:
@@ -193,7 +193,7 @@ def graph_memory(gm: fx.GraphModule, held: set, counted_inputs: set, copied: fro
             if s not in live and s not in held:
                 live.add(s)
                 now += 0 if s in took else key[s][0]
-        peak = max(peak, now + (_workspace(node) if channels_last else 0))
+        peak = max(peak, now + (workspace(node) if channels_last else 0))
         for s in [s for s in live if last.get(s, -1) <= i and s not in keep]:
             live.discard(s)
             now -= 0 if s in taken else key[s][0]      # taken over: its bytes pass to the new buffer

@@ -18,6 +18,7 @@ from remat.planner.compat import inductor_layout_opt, storage_key
 from .joint import Joint
 from .memory import GraphMemory, graph_memory
 from .tags import Decisions, partition
+from .wrapper import wrapper_memory
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
 
@@ -75,8 +76,10 @@ def _saved(outs: list, first: int, skip: set) -> tuple[int, ...]:
     return tuple(saved)
 
 
-def compiled_step(joint: Joint, decided: Decisions) -> CompiledStep:
-    """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`)."""
+def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False) -> CompiledStep:
+    """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`): each
+    graph's buffers modelled (memory.py), or with `wrapper`, read from the wrapper Inductor
+    generates (wrapper.py: the check of a plan, seconds a graph)."""
     t0 = time.process_time()
     fw, bw = partition(joint, decided)
     primals = [n for n in fw.graph.nodes if n.op == "placeholder"]
@@ -86,17 +89,23 @@ def compiled_step(joint: Joint, decided: Decisions) -> CompiledStep:
     outs = list(fw.graph.find_nodes(op="output")[0].args[0])
     mutated, users = joint.layout
     user_outs = outs[mutated:mutated + users]
+    visible = [i for i in range(mutated, mutated + users) if isinstance(outs[i], fx.Node)]
     made_outs = {storage_key(t) for t in map(_tensor, user_outs) if t is not None}
     inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
     held = static | {storage_key(t) for t in tangents}
     counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
     grads = list(bw.graph.find_nodes(op="output")[0].args[0])[:len(primals)]
+    if wrapper:
+        forward, strides = wrapper_memory(fw, static, set(), visible)
+        backward, _ = wrapper_memory(bw, held, counted, None, bool(copied), strides)
+    else:
+        forward, backward = graph_memory(fw, static, set(), copies), graph_memory(bw, held, counted,
+                                                                                   channels_last=bool(copied))
     return CompiledStep(
         primals=tuple(map(_meta, primals)), outputs=tuple(map(_meta, user_outs)),
         saved_bytes=_saved(outs, joint.kwargs["num_fwd_outputs"], static | made_outs),
-        forward=graph_memory(fw, held=static, counted_inputs=set(), copied=copies),
-        backward=graph_memory(bw, held=held, counted_inputs=counted, channels_last=bool(copied)),
+        forward=forward, backward=backward,
         tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents),
         grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied else _meta(g)
                     for p, g in zip(primals, grads)),

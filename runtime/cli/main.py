@@ -43,6 +43,7 @@ with warnings.catch_warnings():
     from remat.planner.solve.fit import unplanned_peak_bytes
 
     from ..budget import StepBudget
+    from ..planning import compiled_unplanned
     from ..steps import Loaded, compiled_step_measure, measure_extra_pct, measure_peak_bytes, solve_budget, time_plan
     from .session import UsageError, hf_config_model, load_model, make_optimizer, model_code, profile_model
 
@@ -128,7 +129,7 @@ def _prepare(a, say) -> tuple[Loaded, Analysis, int]:
     if getattr(a, "compile", False):       # '%' of the compiled step without checkpointing, predicted
         say("capturing the compiled step's joint graph on fake tensors ...")
         a.compiled_measure = compiled_step_measure(loaded, analysis)
-        budget_bytes = budget.resolve(a.compiled_measure(()))
+        budget_bytes = budget.resolve(compiled_unplanned(a.compiled_measure))
     else:
         budget_bytes = budget.resolve(unplanned_peak_bytes(analysis.cost_graph, _options(a)))
     given = budget.asked.text()

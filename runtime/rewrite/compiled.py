@@ -30,19 +30,6 @@ from remat.planner.step.state import training_modes
 from ..measure import peak_memory, preserved, training_loss
 
 
-# NOTE [ the compiled margin ]
-# The replay of the partitioned graphs (planner/compiled/memory.py) models what Inductor
-# materializes, fuses and reuses; against the CPU allocator, on the built-in MLP, ResNet and GPT-2
-# (2 and 6 layers) under four plans each (none, every block, two or three blocks a region, SAC
-# every block), 15 of 16 predictions were 0 to 0.13% over the measured peak; the GPT with three
-# blocks to a region read 6% under (28,657,824 B predicted, 30,477,476 B measured): Inductor keeps
-# dropout draws and recomputed values across the region that the replay frees. Over models and
-# budgets (benchmarks/results/compile.md) the furthest under was unet at 70%: measured 7.2% above
-# the prediction. Until the replay models that, compile mode plans within the budget less
-# COMPILED_MARGIN, so the measured peak stays within the budget; the plan's notes say so.
-COMPILED_MARGIN = 0.08
-
-
 def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str, ...],
                     compile_kwargs: dict | None = None) -> torch.nn.Module:
     """The model's traced graph compiled by Inductor under the plan `regions` (parameters, buffers
@@ -143,16 +130,43 @@ class CompiledPrediction:
         a = replay.analysis
         self.joint = capture_joint(annotated(a.traced.gm), a.example_inputs, compile_kwargs)
         self.steps: dict[tuple, CompiledStep] = {}
+        self.checks: dict[tuple, int] = {}
 
-    def step(self, regions) -> CompiledStep:
-        key = tuple(regions)
+    def step(self, regions, wrapper: bool = False) -> CompiledStep:
+        key = (tuple(regions), wrapper)
         if key not in self.steps:
-            self.steps[key] = compiled_step(self.joint, decisions(key, self.replay.names))
+            self.steps[key] = compiled_step(self.joint, decisions(key[0], self.replay.names), wrapper)
         return self.steps[key]
 
     def module(self, regions) -> fx.GraphModule:
         a = self.replay.analysis
         return stand_in(a.traced.gm, self.step(regions), a.example_inputs)
+
+    def checked_module(self, regions) -> fx.GraphModule:
+        """The stand-in with the buffers of Inductor's own wrapper (NOTE [ the compiled check ])."""
+        a = self.replay.analysis
+        return stand_in(a.traced.gm, self.step(regions, wrapper=True), a.example_inputs)
+
+    def checked(self, regions) -> int:
+        """The whole step's replayed peak with the compile's own memory plan (seconds a plan)."""
+        key = tuple(regions)
+        if key not in self.checks:
+            self.checks[key] = self.replay.replayed(key, self.checked_module)
+        return self.checks[key]
+
+
+class Checked:
+    """The measure of compiled plans with each plan checked by the compile's own memory plan
+    (`CompiledPrediction.checked`; runtime.planning NOTE [ the compiled check ])."""
+
+    what = "the compiled step's own memory plan (Inductor's wrapper, generated without compiling), replayed"
+    rounds, after_fit = 6, 1
+
+    def __init__(self, prediction: CompiledPrediction):
+        self.prediction = prediction
+
+    def __call__(self, regions) -> int:
+        return self.prediction.checked(regions)
 
 
 class CompiledReplay:

@@ -1,0 +1,119 @@
+"""The compile's own memory plan: a partitioned graph's buffers read from the wrapper Inductor
+generates for it (planner.compat `inductor_wrapper`: lowering, fusion, kernel sources, no kernel
+compiled), replayed line by line (NOTE [ the wrapper's memory plan ]).
+
+memory.py models the same buffers from the graph alone, in a fraction of the time; this is what
+a plan's prediction is checked against (runtime.planning `solve_compiled`)."""
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.fx as fx
+
+from remat.planner.compat import inductor_wrapper, storage_key
+
+from .memory import GraphMemory, workspace
+
+# NOTE [ the wrapper's memory plan ]
+# Inductor's wrapper (its `call`) allocates each buffer as `bufN = empty_strided_cpu(...)`, hands a
+# dead one to a new one as `bufM = reinterpret_tensor(bufN, ...); del bufN  # reuse`, views one as
+# `bufM = reinterpret_tensor(bufN, ...)  # alias`, lets a fallback kernel allocate its own outputs
+# (`bufN = torch.ops...(...)`, `bufM = bufN[i]` for one of several) and frees with `del bufN`; the
+# graph's inputs are freed the same way (the saved tensors AOTAutograd hands the backward and
+# clears). Kernels fused into one (and their kernel-local buffers) allocate nothing. A storage is
+# freed when its last name is deleted; `held` storages (parameters, tangents) never are.
+_ALLOC = re.compile(r"(buf\d+) = empty_strided_\w+\(")
+_REUSE = re.compile(r"(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")
+_ALIAS = re.compile(r"(buf\d+) = reinterpret_tensor\((\w+),")
+_ITEM = re.compile(r"(buf\d+) = (buf\d+)\[\d+\]")
+_CALL = re.compile(r"(buf\d+) = (?!reinterpret_tensor|empty_strided)[\w.]+\(")
+_DEL = re.compile(r"del (\w+(?:, \w+)*)")
+
+
+class _Live:
+    """Names bound to storages, the bytes of the storages live (each counted once)."""
+
+    def __init__(self, held: set):
+        self.held, self.storage, self.refs, self.size = held, {}, {}, {}
+        self.now = self.peak = 0
+
+    def bind(self, name: str, key, nbytes: int) -> None:
+        self.storage[name] = key
+        if self.refs.get(key, 0) == 0:
+            self.size[key] = nbytes
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        self.refs[key] = self.refs.get(key, 0) + 1
+
+    def drop(self, name: str) -> None:
+        key = self.storage.pop(name, None)
+        if key is None:
+            return
+        self.refs[key] -= 1
+        if self.refs[key] == 0 and key not in self.held:
+            self.now -= self.size[key]
+
+
+def _line(live: _Live, line: str, sizes: dict[str, int], items: dict[str, list[str]]) -> None:
+    if m := _ITEM.match(line):
+        if m.group(1) not in live.storage:
+            live.bind(m.group(1), ("buf", m.group(1)), sizes.get(m.group(1), 0))
+    elif m := _REUSE.match(line):
+        new, old = m.groups()
+        if old in live.storage:
+            live.bind(new, live.storage[old], 0)
+        live.drop(old)
+    elif m := _ALIAS.match(line):
+        if m.group(2) in live.storage:
+            live.bind(m.group(1), live.storage[m.group(2)], 0)
+    elif m := (_ALLOC.match(line) or _CALL.match(line)):
+        live.bind(m.group(1), ("buf", m.group(1)), sizes.get(m.group(1), 0))
+        for item in items.get(m.group(1), ()):        # a kernel's several outputs, allocated by its call
+            live.bind(item, ("buf", item), sizes.get(item, 0))
+    else:
+        for part in line.split("#")[0].split(";"):
+            if m := _DEL.fullmatch(part.strip()):
+                for name in m.group(1).split(", "):
+                    live.drop(name)
+
+
+def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: list[int] | None,
+                   channels_last: bool = False, strides: dict | None = None) -> tuple[GraphMemory, dict]:
+    """`gm`'s buffers as Inductor's wrapper allocates and frees them, counted as memory.graph_memory
+    counts them (placeholders whose storage is in `counted_inputs` from the start, `held` ones
+    never freed, oneDNN's workspace at a channels-last convolution's backward). `visible`: the
+    forward's user outputs (by index), None for a backward graph (planner.compat `inductor_wrapper`).
+    Returns also each output's strides as Inductor lays it out, by name: a backward graph is given
+    its forward's `strides`, as AOTAutograd restrides the saved tensors (layout optimization)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    convolutions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
+    inputs = [_restrided(n.meta["val"], (strides or {}).get(n.name)) for n in placeholders]
+    code, sizes, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible)
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    live = _Live(held)
+    for n in placeholders:
+        t = n.meta["val"]
+        if isinstance(t, torch.Tensor) and storage_key(t) in counted_inputs:
+            live.bind(n.name, storage_key(t), int(t.untyped_storage().nbytes()))
+    start = live.now
+    body = code[code.index("def call(self, args)"):]
+    lines = list(map(str.strip, body[:body.index("\n        return")].splitlines()))
+    items: dict[str, list[str]] = {}
+    for m in filter(None, map(_ITEM.match, lines)):
+        items.setdefault(m.group(2), []).append(m.group(1))
+    for line in lines:
+        _line(live, line, sizes, items)
+        if channels_last and _CALL.match(line) and "convolution_backward" in line and convolutions:
+            live.peak = max(live.peak, live.now + workspace(convolutions.pop(0)))
+    return GraphMemory(start, live.peak, live.now), {
+        n.name: st for n, st in zip(outs, laid_out) if isinstance(n, fx.Node) and st is not None}
+
+
+def _restrided(t, stride):
+    """The fake tensor `t` with `stride` (AOTAutograd's restride of a saved tensor)."""
+    if not isinstance(t, torch.Tensor) or stride is None or tuple(t.stride()) == tuple(stride):
+        return t
+    with t.fake_mode:
+        return t.as_strided(t.size(), stride)
