@@ -111,9 +111,9 @@ def test_wrong_input_shape_is_one_line(factories, quick_runs):
 def test_compile_quiet_prints_no_profiler_lines(factories):
     """--compile --quiet prints nothing on stderr: not kineto's `USDT: ... profiler_start` lines (its
     steps were metered with torch's profiler), nor the FutureWarning torch's pytree gave when Dynamo
-    deep-copied Inductor's config holding the joint-graph partitioner (now copied as itself). 150%:
-    compile mode plans within the budget less its margin, so 100% is below the unplanned step."""
-    r = run("check", f"{factories}:tiny", "--budget", "150%", "--compile", "--quiet")
+    deep-copied Inductor's config holding the joint-graph partitioner (now copied as itself), nor
+    anything from the check's code generation (NOTE [ the compiled check ])."""
+    r = run("check", f"{factories}:tiny", "--budget", "100%", "--compile", "--quiet")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("OK: predicted peak")
     assert r.stderr == ""

@@ -1,9 +1,6 @@
 """docs/compile.md shows benchmarks/compile.py's output: its two tables are the results file's
-(benchmarks/results/compile.md), byte for byte, and the margin it states is the one compile mode
-plans with. Reads files only."""
+(benchmarks/results/compile.md), byte for byte. Reads files only."""
 import pathlib
-
-from remat.runtime.rewrite.compiled import COMPILED_MARGIN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "compile.md"
@@ -35,7 +32,3 @@ def test_the_docs_tables_are_the_benchmarks_current_file():
         shown, measured = _table(_section(docs, heading)), _table(_section(results, heading))
         assert len(measured) > 3, heading                       # a header, its rule and rows
         assert shown == measured, heading
-
-
-def test_the_docs_state_the_margin_compile_mode_plans_with():
-    assert f"{COMPILED_MARGIN:.0%} margin" in DOCS.read_text()

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.planner.api import analyze
-from remat.planner.compiled.joint import KEY, annotated, capture_joint
+from remat.planner.compiled.joint import KEY
 from remat.planner.compiled.step import compiled_step
 from remat.planner.compiled.tags import _forward_nodes, decisions, partition, tag
 from remat.planner.result import Region
@@ -169,3 +169,29 @@ def test_eager_rng_draws_recomputed_plan_and_train():
     assert wrapped.remat.plan.regions
     ex.loss_fn(wrapped(*ex.inputs)).backward()
     assert all(p.grad is not None for p in ex.model.parameters())
+
+
+def test_the_wrapper_replay_frees_a_storage_with_its_last_name():
+    """NOTE [ the wrapper's memory plan ], on a wrapper written by hand: a view keeps its base's
+    storage, a kernel's several outputs are allocated by its call, a reuse passes the bytes on, and
+    a held input is never freed."""
+    from remat.planner.compiled.wrapper import Live, replay
+    code = """def call(self, args):
+        primals_1, = args
+        buf0 = empty_strided_cpu((4, ), (1, ), torch.float32)
+        buf1 = reinterpret_tensor(buf0, (2, 2), (2, 1), 0)  # alias
+        del buf0
+        buf2 = torch.ops.aten.foo.default(buf1, primals_1)
+        del primals_1
+        buf3 = buf2[0]
+        buf4 = buf2[1]
+        del buf2
+        del buf1
+        buf5 = reinterpret_tensor(buf3, (8, ), (1, ), 0); del buf3  # reuse
+        del buf4
+        return (buf5, )
+"""
+    live = Live(held={"p"})
+    live.bind("primals_1", "p", 100)
+    replay(code, {"buf0": 16, "buf3": 32, "buf4": 8, "buf5": 32}, live)
+    assert (live.peak, live.now) == (156, 132)     # 100 held + 16 + 32 + 8 at the call; 100 + 32 at the end

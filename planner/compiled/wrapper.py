@@ -32,7 +32,7 @@ _CALL = re.compile(r"(buf\d+) = (?!reinterpret_tensor|empty_strided)[\w.]+\(")
 _DEL = re.compile(r"del (\w+(?:, \w+)*)")
 
 
-class _Live:
+class Live:
     """Names bound to storages, the bytes of the storages live (each counted once)."""
 
     def __init__(self, held: set):
@@ -56,7 +56,7 @@ class _Live:
             self.now -= self.size[key]
 
 
-def _line(live: _Live, line: str, sizes: dict[str, int], items: dict[str, list[str]]) -> None:
+def _line(live: Live, line: str, sizes: dict[str, int], items: dict[str, list[str]]) -> None:
     if m := _ITEM.match(line):
         if m.group(1) not in live.storage:
             live.bind(m.group(1), ("buf", m.group(1)), sizes.get(m.group(1), 0))
@@ -92,23 +92,30 @@ def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: 
     inputs = [_restrided(n.meta["val"], (strides or {}).get(n.name)) for n in placeholders]
     code, sizes, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible)
     outs = gm.graph.find_nodes(op="output")[0].args[0]
-    live = _Live(held)
+    live = Live(held)
     for n in placeholders:
         t = n.meta["val"]
         if isinstance(t, torch.Tensor) and storage_key(t) in counted_inputs:
             live.bind(n.name, storage_key(t), int(t.untyped_storage().nbytes()))
     start = live.now
+    replay(code, sizes, live, [workspace(n) for n in convolutions] if channels_last else [])
+    return GraphMemory(start, live.peak, live.now), {
+        n.name: st for n, st in zip(outs, laid_out) if isinstance(n, fx.Node) and st is not None}
+
+
+def replay(code: str, sizes: dict[str, int], live: Live, workspaces: list[int] = ()) -> None:
+    """Play the `call` of wrapper `code` on `live` (NOTE [ the wrapper's memory plan ]): `sizes`,
+    each buffer's bytes; `workspaces`, the bytes each convolution backward holds while it runs."""
     body = code[code.index("def call(self, args)"):]
     lines = list(map(str.strip, body[:body.index("\n        return")].splitlines()))
     items: dict[str, list[str]] = {}
     for m in filter(None, map(_ITEM.match, lines)):
         items.setdefault(m.group(2), []).append(m.group(1))
+    held = list(workspaces)
     for line in lines:
         _line(live, line, sizes, items)
-        if channels_last and _CALL.match(line) and "convolution_backward" in line and convolutions:
-            live.peak = max(live.peak, live.now + workspace(convolutions.pop(0)))
-    return GraphMemory(start, live.peak, live.now), {
-        n.name: st for n, st in zip(outs, laid_out) if isinstance(n, fx.Node) and st is not None}
+        if held and _CALL.match(line) and "convolution_backward" in line:
+            live.peak = max(live.peak, live.now + held.pop(0))
 
 
 def _restrided(t, stride):
