@@ -65,12 +65,12 @@ def test_a_plan_is_tags_and_the_partition_recomputes_its_regions():
 def test_compile_mode_plans_without_compiling():
     """Planning captures the joint graph on fake tensors and stops: no graph is compiled and no
     step runs until the wrapped model's first call."""
-    ex = examples.mlp()
+    ex = MODELS["mlp"]()
     counters.clear()
     w = plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, compile=True)
     p = w.remat.plan
     assert p.regions and p.predicted_peak_bytes <= p.budget_bytes
-    assert "partition, replayed on fake tensors" in " ".join(p.notes) and "own memory plan" in " ".join(p.notes)
+    assert "own memory plan" in " ".join(p.notes)       # checked (NOTE [ the compiled check ])
     assert not counters["inductor"].get("fxgraph_cache_miss") and not counters["inductor"].get("fxgraph_cache_hit")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from remat.planner.compat import compile_failure_cause, partitioner_base, pytree, partitioner_installed
+from remat.planner.capture.trace import OUTPUT
 
 KEY = "remat"       # node.meta["custom"][KEY]: the traced graph's node an aten node computes
 
@@ -38,11 +39,11 @@ def _method(name: str):
 
 def annotated(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` with each call run annotated by its node's name (same parameters, buffers and children,
-    the same objects)."""
+    the same objects); an exported graph's output structure stays the `OUTPUT` module it is."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_module", "call_method"):
+        if n.op in ("call_function", "call_module", "call_method") and n.target != OUTPUT:
             f = (n.target if n.op == "call_function" else gm.get_submodule(n.target) if n.op == "call_module"
                  else _method(n.target))
             env[n] = g.call_function(_named(n.name, f), fx.node.map_arg(n.args, env.__getitem__),
@@ -93,6 +94,16 @@ class _Keep(partitioner_base()):
 # plan on the graph the training compile partitions. Dynamo and AOTAutograd trace on fake tensors
 # made from the model's: nothing runs, no memory of the step is needed, and a model on `meta`
 # works too. The compile is stopped by an exception from the partitioner, caught here.
+def output_leaves(gm: fx.GraphModule) -> tuple[list, object, bool]:
+    """The leaves of `gm`'s output, their pytree spec, and whether the output is an exported graph's
+    structure (the `OUTPUT` module, planner/capture/trace.py), whose arguments the leaves are:
+    what the compiled graph returns, in order, after its mutated inputs."""
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    structured = isinstance(out, fx.Node) and out.op == "call_module" and out.target == OUTPUT
+    leaves, spec = pytree.tree_flatten(tuple(out.args) if structured else out)
+    return leaves, spec, structured
+
+
 def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None = None) -> Joint:
     """The joint graph of `gm(**inputs)`'s forward and backward as Inductor partitions it
     (`gm` annotated: `annotated`). Raises what the compile raised if it stopped elsewhere."""
@@ -109,8 +120,7 @@ def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None 
     if keep.joint is None:
         raise RuntimeError("torch.compile made no joint graph (no parameter or input requires grad?)")
     j = keep.joint
-    users = len([a for a in pytree.tree_flatten(gm.graph.find_nodes(op="output")[0].args[0])[0]
-                 if isinstance(a, fx.Node)])
+    users = sum(isinstance(a, fx.Node) for a in output_leaves(gm)[0])
     j.layout = (j.kwargs["num_fwd_outputs"] - users, users)
     j.seconds = time.process_time() - t0
     j.names = frozenset(n.meta.get("custom", {}).get(KEY) for n in j.gm.graph.nodes) - {None}

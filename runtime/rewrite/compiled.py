@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
-from remat.planner.compiled.joint import annotated, capture_joint
+from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
 from remat.planner.compiled.step import CompiledStep, compiled_step
 from remat.planner.compiled.tags import Tagged, decisions
 from remat.planner.step.state import training_modes
@@ -102,9 +102,7 @@ def stand_in(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> fx.GraphMo
     env = {n.target: g.node_copy(n, lambda a: None) for n in gm.graph.nodes if n.op == "placeholder"}
     args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in _sources(gm, step, inputs)]
     call = g.call_function(_runner(step), tuple(args))
-    out = gm.graph.find_nodes(op="output")[0].args[0]
-    structured = isinstance(out, fx.Node) and out.op == "call_module" and out.target == OUTPUT
-    leaves, spec = pytree.tree_flatten(tuple(out.args) if structured else out)
+    leaves, spec, structured = output_leaves(gm)
     made = iter(range(len(step.outputs)))
     outs = pytree.tree_unflatten([g.call_function(_item, (call, next(made))) if isinstance(x, fx.Node) else x
                                   for x in leaves], spec)
