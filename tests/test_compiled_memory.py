@@ -159,6 +159,22 @@ def test_an_exported_hugging_face_model_keeps_its_output_and_budget():
 
 
 @pytest.mark.slow
+def test_an_exported_output_of_several_tensors_is_stood_in_leaf_by_leaf():
+    """Hugging Face's output with labels is a ModelOutput of the loss and the logits: the compiled
+    graph returns both, and the stand-in gives each leaf back (its layout once counted the exported
+    structure as one output: the replay raised StopIteration). No compile: capture and stand-in."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                 n_positions=16)).train()
+    ids = torch.randint(0, 64, (2, 16))
+    a = analyze(model, (ids,), {"labels": ids}, None)
+    measure = compiled_measure(ExactReplay(model, a, None), {})
+    assert measure.compiled.joint.layout == (0, 2)          # no mutated input; the loss and the logits
+    assert measure(()) > 0 and len(measure.compiled.step(()).outputs) == 2
+
+
+@pytest.mark.slow
 @inductor_config.patch(fallback_random=True)
 def test_eager_rng_draws_recomputed_plan_and_train():
     """With Inductor's `fallback_random`, dropout stays an eager-RNG op the partitioner replays from
