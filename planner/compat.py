@@ -252,6 +252,7 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, 
     from torch._inductor.debug import DebugContext
     from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch._inductor.graph import GraphLowering
+    from torch._inductor.ir import Layout
     from torch._inductor.virtualized import V
     from torch._guards import detect_fake_mode
     fake_mode = detect_fake_mode(inputs)
@@ -278,11 +279,10 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, 
             strides = [tuple(map(int, o.get_layout().stride)) if o.has_tensor_output() else None
                        for o in graph.graph_outputs]
             code, _ = graph.codegen()
-            sizes = {}
-            for name, buf in [*graph.name_to_buffer.items(), *graph.graph_inputs.items()]:
-                try:
-                    layout = buf.get_layout()
-                    sizes[name] = int(layout.storage_size()) * layout.dtype.itemsize
-                except (AttributeError, NotImplementedError, TypeError, ValueError):
-                    pass            # a kernel's several outputs (each of its own is sized) or no tensor
+            # a buffer's own layout (a kernel's several outputs share none: each output has its
+            # own), an input tensor's (a symbol has none)
+            layouts = {name: buf.get_layout() for name, buf in graph.graph_inputs.items() if hasattr(buf, "get_layout")}
+            layouts.update({name: buf.layout for name, buf in graph.name_to_buffer.items()})
+            sizes = {name: int(lay.storage_size()) * lay.dtype.itemsize for name, lay in layouts.items()
+                     if isinstance(lay, Layout)}
     return code.value, sizes, strides

@@ -76,12 +76,14 @@ def _saved(outs: list, first: int, skip: set) -> tuple[int, ...]:
     return tuple(saved)
 
 
-def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False) -> CompiledStep:
+def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
+                  graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None) -> CompiledStep:
     """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`): each
     graph's buffers modelled (memory.py), or with `wrapper`, read from the wrapper Inductor
-    generates (wrapper.py: the check of a plan, seconds a graph)."""
+    generates (wrapper.py: the check of a plan, seconds a graph). `graphs`: `decided`'s partition,
+    made before (neither reading changes it)."""
     t0 = time.process_time()
-    fw, bw = partition(joint, decided)
+    fw, bw = graphs or partition(joint, decided)
     primals = [n for n in fw.graph.nodes if n.op == "placeholder"]
     copied = _channels_last(fw, primals)
     static = {storage_key(t) for n in primals if n not in copied and (t := _tensor(n)) is not None}

@@ -111,11 +111,11 @@ def replay(code: str, sizes: dict[str, int], live: Live, workspaces: list[int] =
     items: dict[str, list[str]] = {}
     for m in filter(None, map(_ITEM.match, lines)):
         items.setdefault(m.group(2), []).append(m.group(1))
-    held = list(workspaces)
+    pending = list(workspaces)
     for line in lines:
         _line(live, line, sizes, items)
-        if held and _CALL.match(line) and "convolution_backward" in line:
-            live.peak = max(live.peak, live.now + held.pop(0))
+        if pending and _CALL.match(line) and "convolution_backward" in line:
+            live.peak = max(live.peak, live.now + pending.pop(0))
 
 
 def _restrided(t, stride):

@@ -24,7 +24,7 @@ from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
 from remat.planner.compiled.step import CompiledStep, compiled_step
-from remat.planner.compiled.tags import Tagged, decisions
+from remat.planner.compiled.tags import Tagged, decisions, partition
 from remat.planner.step.state import training_modes
 
 from ..measure import peak_memory, preserved, training_loss
@@ -128,28 +128,29 @@ class CompiledPrediction:
         a = replay.analysis
         self.joint = capture_joint(annotated(a.traced.gm), a.example_inputs, compile_kwargs)
         self.steps: dict[tuple, CompiledStep] = {}
+        self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
 
     def step(self, regions, wrapper: bool = False) -> CompiledStep:
-        key = (tuple(regions), wrapper)
-        if key not in self.steps:
-            self.steps[key] = compiled_step(self.joint, decisions(key[0], self.replay.names), wrapper)
-        return self.steps[key]
+        """The plan's compiled step, its buffers modelled, or with `wrapper` checked (NOTE [ the
+        compiled check ]); one partition for both."""
+        regions = tuple(regions)
+        if (regions, wrapper) not in self.steps:
+            decided = decisions(regions, self.replay.names)
+            if regions not in self.partitions:
+                self.partitions[regions] = partition(self.joint, decided)
+            self.steps[regions, wrapper] = compiled_step(self.joint, decided, wrapper, self.partitions[regions])
+        return self.steps[regions, wrapper]
 
-    def module(self, regions) -> fx.GraphModule:
+    def module(self, regions, wrapper: bool = False) -> fx.GraphModule:
         a = self.replay.analysis
-        return stand_in(a.traced.gm, self.step(regions), a.example_inputs)
-
-    def checked_module(self, regions) -> fx.GraphModule:
-        """The stand-in with the buffers of Inductor's own wrapper (NOTE [ the compiled check ])."""
-        a = self.replay.analysis
-        return stand_in(a.traced.gm, self.step(regions, wrapper=True), a.example_inputs)
+        return stand_in(a.traced.gm, self.step(regions, wrapper), a.example_inputs)
 
     def checked(self, regions) -> int:
         """The whole step's replayed peak with the compile's own memory plan (seconds a plan)."""
         key = tuple(regions)
         if key not in self.checks:
-            self.checks[key] = self.replay.replayed(key, self.checked_module)
+            self.checks[key] = self.replay.replayed(key, lambda r: self.module(r, wrapper=True))
         return self.checks[key]
 
 
