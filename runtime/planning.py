@@ -341,6 +341,7 @@ class ExactReplay:
         self.opaque = tuple(m for m, _ in analysis.traced.opaque)
         self.names = tuple(c.name for c in analysis.cost_graph.nodes)
         self.peaks: dict[tuple, int] = {}       # regions -> replayed peak: each plan replayed once
+        self.opaque_costs: dict = {}            # each opaque module measured once (planner.profile.opaque)
         self.seconds = 0.0                      # spent replaying
         # the profile's metered peak of the step without checkpointing, as `_replay` would add to
         # it: planner.solve.fit's guide to whether that step needs a replay (NOTE [ unplanned guess ]);
@@ -380,7 +381,7 @@ class ExactReplay:
             if self.pipeline is not None:
                 return self._rank(gm)
             replayed = dry_run_peak(gm, a.example_inputs, self.loss_fn, opaque, a.opaque_examples,
-                                    keep_output=facts.keep_output, grads=facts.accumulates)
+                                    keep_output=facts.keep_output, grads=facts.accumulates, memo=self.opaque_costs)
         # held throughout: the optimizer's state, the math libraries' workspaces (planner/step/workspace.py)
         return max(replayed + facts.held_throughout_bytes, base_liveness(a.cost_graph).opt)
 

@@ -180,6 +180,20 @@ def _free_port() -> int:
 TWO_RANK_CONFIGS = ("fsdp", "fsdp-keep", "ddp", "fsdp-bf16", "infeasible", "gpt", "llama", "gpt2", "gpt2-ddp")
 
 
+# The ranks' gradients are summed by gloo in another order than one process sums the global batch:
+# they differ in the last bits (1e-9 seen), and AdamW divides each step by the root of the squared
+# gradients, which amplifies such a difference where a gradient is near zero. The parameters after
+# STEPS steps of lr LR may then differ by a small fraction of a step (3e-6 seen under a loaded CI
+# run, 1e-6 asked before); a wrong plan moves them by whole steps (~LR each).
+LR, STEPS = 1e-2, 3          # tests/distributed_worker.py's AdamW and steps
+PARAM_TOLERANCE = 1e-3 * LR * STEPS
+
+
+def _trains_like_one_process(diff: dict) -> None:
+    assert diff["grad"] <= 1e-6 * max(1.0, diff["grad_scale"]), diff
+    assert diff["param"] <= PARAM_TOLERANCE, diff
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """config -> its result (tests/distributed_worker.py), from one launch for the module."""
@@ -205,7 +219,7 @@ def test_two_gloo_ranks_train_like_one_process_and_fit(config, two_ranks):
     on the global batch; each rank's measured peak fits the per-rank budget, the prediction at or
     above it, within 5%."""
     res = two_ranks(config)
-    assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"]) and res["diff"]["param"] <= 1e-6
+    _trains_like_one_process(res["diff"])
     for rank in res["ranks"]:
         assert rank["regions"] > 0                       # 80% of the unplanned peak needs regions
         assert rank["measured"] <= rank["predicted"] <= 1.05 * rank["measured"] and rank["measured"] <= rank["budget"]
@@ -328,7 +342,7 @@ def test_hugging_face_causal_lms_train_like_one_process_and_fit(config, two_rank
     process on the global batch; every step's measured peak on each rank fits the budget and
     the prediction, which is within 5% of the largest."""
     res = two_ranks(config)
-    assert res["diff"]["grad"] <= 1e-6 * max(1.0, res["diff"]["grad_scale"]) and res["diff"]["param"] <= 1e-6
+    _trains_like_one_process(res["diff"])
     for rank in res["ranks"]:
         assert len(rank["peaks"]) == 3 and rank["regions"] > 0
         assert all(p <= rank["predicted"] <= rank["budget"] for p in rank["peaks"])

@@ -547,19 +547,51 @@ def _autocast(states: list[tuple[str, torch.dtype, bool]]):
         yield
 
 
+# NOTE [ one measurement a planning ]
+# Every exact replay of a plan (runtime.planning.ExactReplay) stands in for each opaque module with
+# a real run of it (`measure_opaque`: nine runs where it draws random numbers), and a plan's search
+# replays up to a dozen plans and every known plan for its floor: the same module, on the same
+# example, with the same input shapes and output-grad layouts, measured again and again (fuzz seed
+# 41711: 16 of a check's 28 s). The replay's `memo` keeps each measurement for the planning:
+# keyed by the module, its inputs' specs, its example, the autocast state and the grads' layout;
+# a key that cannot be hashed (an argument of a type without a hash) is measured every time.
+# Within one planning nothing a measurement reads changes (the example, the module's state), so the
+# stand-in is the same as measured again, and a module that draws random numbers stands in the same
+# way in every plan's replay (before, its first run drew from wherever the RNG stood).
+
+def _memo_key(module, specs, example, autocast, layout):
+    leaves, spec = tree_flatten(specs)
+    key = (id(module), id(example), tuple(autocast), layout, tuple(leaves), str(spec))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args, kwargs, example=None,
-             around=contextlib.nullcontext):
+             around=contextlib.nullcontext, memo: dict | None = None):
     """`module(*args, **kwargs)` on fake tensors: measured for real, stood in for by StandIn.
     Returns (outputs, cost); the module's parameters, as they are now (fake), get the grads.
-    `around()`: what every real run of the module is inside (its own forward and hooks)."""
+    `around()`: what every real run of the module is inside (its own forward and hooks). `memo`:
+    the measurements of earlier steps of one planning (NOTE [ one measurement a planning ])."""
     specs = tree_map(_spec_of, (args, kwargs))
     autocast = _autocast_now()
 
+    def measure(*layout):
+        key = _memo_key(module, specs, example, autocast, layout) if memo is not None else None
+        if key is None or key not in memo:
+            value = measure_opaque(module, real_state, *specs, example, *layout)
+            if key is None:
+                return value
+            memo[key] = value
+        return memo[key]
+
     def rerun(grad_strides, held_grads):        # in the step's backward: as in its forward
         with around(), torch.enable_grad(), _autocast(autocast):
-            return measure_opaque(module, real_state, *specs, example, grad_strides, held_grads)[0]
+            return measure(grad_strides, held_grads)[0]
     with around():
-        cost, out_spec = measure_opaque(module, real_state, *specs, example)
+        cost, out_spec = measure()
     if cost.cast_bytes and id(module) not in _STEP_HELD:   # a recompute finds them in autocast's cache
         _STEP_HELD[id(module)] = torch.empty(cost.cast_bytes, dtype=torch.uint8)
     flat_spec, spec = tree_flatten(out_spec)

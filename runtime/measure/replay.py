@@ -25,8 +25,9 @@ def _own(mod: torch.nn.Module, hooks: dict):
 
 
 @contextlib.contextmanager
-def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
-    """Opaque modules (fake tensors cannot run them) run as their measured stand-ins."""
+def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict, memo: dict | None = None):
+    """Opaque modules (fake tensors cannot run them) run as their measured stand-ins (`memo`: NOTE
+    [ one measurement a planning ] in planner/profile/opaque.py)."""
     mods = [gm.get_submodule(m) for m in opaque]
     states = [named_tensors(m) for m in mods]              # taken before the model is made fake
 
@@ -35,7 +36,7 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
             return _own(mod, hooks[mod])
 
         def forward(*args, **kwargs):
-            return stand_in(mod, state, args, kwargs, example, own)[0]
+            return stand_in(mod, state, args, kwargs, example, own, memo)[0]
         return forward
     # on fake tensors its hooks do not run around the stand-in (a hook may read values)
     with instance_forwards({mod: stood_in(mod, state, examples.get(name))
@@ -45,14 +46,15 @@ def _standing_in(gm: torch.nn.Module, opaque: tuple[str, ...], examples: dict):
 
 
 def dry_run_peak(gm: torch.nn.Module, kwargs: dict, loss_fn=None, opaque: tuple[str, ...] = (),
-                 examples: dict | None = None, keep_output: bool = False, grads: bool = False) -> int:
+                 examples: dict | None = None, keep_output: bool = False, grads: bool = False,
+                 memo: dict | None = None) -> int:
     """Peak live bytes of `loss_fn(gm(**kwargs)).backward()` (parameters, buffers, inputs and
     every tensor the step reads, such as a loss target, included), the output released once the
     loss is computed unless `keep_output`; `grads`: every parameter gradient exists from the
     start (gradient accumulation). `opaque` modules are stood in for by their measured memory
-    behaviour (planner.profile.opaque)."""
+    behaviour (planner.profile.opaque), each measured once per `memo`."""
     def run(meta: bool) -> int:
-        with _standing_in(gm, opaque, examples or {}), fake_step(gm, kwargs, grads, meta) as fake, \
+        with _standing_in(gm, opaque, examples or {}, memo), fake_step(gm, kwargs, grads, meta) as fake, \
                 LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter:
             with step_held():
                 run_step(lambda: gm(**fake.inputs), lambda out: training_loss(out, loss_fn), keep_output=keep_output,
