@@ -35,7 +35,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count", "view_base",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
-           "partitioner_base", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
+           "partitioner", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
            "inductor_layout_opt", "inductor_wrapper"]
 
 
@@ -198,11 +198,15 @@ def held_elsewhere(t: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- torch.compile's partitioner
 # (planner/compiled/: the joint graph Inductor partitions, remat's decisions as its recompute tags)
-def partitioner_base() -> type:
-    """torch._inductor.custom_graph_pass.CustomPartitionerFn: the base of a partitioner Inductor
-    calls on the joint graph after its own joint-graph passes (`partitioner_installed`)."""
+def partitioner(fn):
+    """`fn` (a callable with `uuid()`) as Inductor's custom partitioner, which it calls on the joint
+    graph after its own joint-graph passes (`partitioner_installed`, or torch.compile's options):
+    its class registered as a torch._inductor.custom_graph_pass.CustomPartitionerFn, which Inductor
+    asserts. Registered at use, not subclassed, so that importing remat does not import Inductor
+    (0.35 s of every process's start)."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
-    return CustomPartitionerFn
+    CustomPartitionerFn.register(type(fn))
+    return fn
 
 
 def partitioner_installed(partitioner):

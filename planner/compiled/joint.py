@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import compile_failure_cause, partitioner_base, pytree, partitioner_installed
+from remat.planner.compat import compile_failure_cause, partitioner, pytree, partitioner_installed
 from remat.planner.capture.trace import OUTPUT
 
 KEY = "remat"       # node.meta["custom"][KEY]: the traced graph's node an aten node computes
@@ -71,7 +71,9 @@ class _Stop(Exception):
     """Raised by `_Keep` once it holds the joint graph: nothing is lowered or run."""
 
 
-class _Keep(partitioner_base()):
+class _Keep:
+    """Inductor's partitioner (compat.partitioner) that keeps the joint graph and stops the compile."""
+
     def __init__(self):
         self.joint: Joint | None = None
 
@@ -107,7 +109,7 @@ def output_leaves(gm: fx.GraphModule) -> tuple[list, object, bool]:
 def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None = None) -> Joint:
     """The joint graph of `gm(**inputs)`'s forward and backward as Inductor partitions it
     (`gm` annotated: `annotated`). Raises what the compile raised if it stopped elsewhere."""
-    keep = _Keep()
+    keep = partitioner(_Keep())
     kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k not in ("backend", "fullgraph")}
     compiled = torch.compile(gm, backend="inductor", fullgraph=True, **kwargs)
     t0 = time.process_time()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from remat.planner.compat import FakeTensor, min_cut_partition, partitioner_base, tree_leaves
+from remat.planner.compat import FakeTensor, min_cut_partition, partitioner, tree_leaves
 from remat.planner.result import Region
 
 from .joint import KEY, Joint
@@ -82,8 +82,9 @@ def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.Grap
         return min_cut_partition(gm, joint.inputs, **joint.kwargs)
 
 
-class Tagged(partitioner_base()):
-    """Inductor's partitioner for a compile under a plan: the joint graph tagged, then min-cut."""
+class Tagged:
+    """Inductor's partitioner for a compile under a plan: the joint graph tagged, then min-cut
+    (`tagged`: registered as one)."""
 
     def __init__(self, decided: Decisions):
         self.decided = decided
@@ -100,3 +101,8 @@ class Tagged(partitioner_base()):
         h = hashlib.sha256(Path(__file__).read_bytes())
         h.update(repr(self.decided).encode())
         return h.hexdigest()
+
+
+def tagged(decided: Decisions) -> Tagged:
+    """The partitioner of a compile under the plan `decided` (compat.partitioner)."""
+    return partitioner(Tagged(decided))

@@ -24,7 +24,7 @@ from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
 from remat.planner.compiled.step import CompiledStep, compiled_step
-from remat.planner.compiled.tags import Tagged, decisions, partition
+from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
 
 from ..measure import peak_memory, preserved, training_loss
@@ -35,7 +35,7 @@ def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str,
     """The model's traced graph compiled by Inductor under the plan `regions` (parameters, buffers
     and children: the model's own objects)."""
     kwargs = dict(compile_kwargs or {})
-    options = {**kwargs.pop("options", {}), "custom_partitioner_fn": Tagged(decisions(tuple(regions), names))}
+    options = {**kwargs.pop("options", {}), "custom_partitioner_fn": tagged(decisions(tuple(regions), names))}
     kwargs.pop("backend", None)
     return torch.compile(annotated(analysis.traced.gm), backend="inductor", options=options, **kwargs)
 
