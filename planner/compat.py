@@ -242,24 +242,6 @@ def inductor_layout_opt(gm) -> bool:
     return GraphLowering.decide_layout_opt(gm, is_inference=False)
 
 
-@contextlib.contextmanager
-def _no_isa_probe():
-    """Unvectorized kernels (`cpp.simdlen` 0) need no vector ISA, but each kernel's codegen asks for
-    the machine's list, which Inductor makes once a process by compiling and loading a test
-    program per ISA (4 here, 8.8 of a cold 6-layer GPT plan's 27 wall s). Where no compile of this
-    process made the list yet, it is empty while the wrapper is generated (`cpp.vec_isa_ok`
-    False: no probe), then forgotten, so that the first real compile probes as it would have."""
-    from torch._inductor import config as inductor_config, cpu_vec_isa
-    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
-        yield
-        return
-    try:
-        with inductor_config.patch({"cpp.vec_isa_ok": False}):
-            yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
-
-
 def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, dict[str, int], list]:
     """The Python wrapper Inductor generates for a partitioned graph, without compiling a kernel:
     the steps of torch._inductor.compile_fx's codegen (fake propagation, post-grad passes,
@@ -288,7 +270,7 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, 
             if inductor_config.bw_outputs_user_visible else []
     out.meta["user_visible_output_idxs"] = visible
     # the kernels' sources unvectorized: the wrapper's buffers are the same, in 60% of the time
-    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}), _no_isa_probe():
+    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}):
         view_to_reshape(gm)
         with torch.no_grad():
             fake_tensor_prop(gm, inputs)
