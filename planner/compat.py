@@ -7,6 +7,7 @@ tests/test_private_api.py holds every other file of planner/ and runtime/ to it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -36,7 +37,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
            "partitioner", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
-           "inductor_layout_opt", "inductor_wrapper"]
+           "inductor_layout_opt", "inductor_wrapper", "kineto_quiet", "kernel_workspace"]
 
 
 def clear_cublas_workspaces() -> None:
@@ -240,6 +241,41 @@ def inductor_layout_opt(gm) -> bool:
     (torch._inductor.graph.GraphLowering.decide_layout_opt: on CPU with mkldnn, nearly always)."""
     from torch._inductor.graph import GraphLowering
     return GraphLowering.decide_layout_opt(gm, is_inference=False)
+
+
+@contextlib.contextmanager
+def kineto_quiet():
+    """Inside, KINETO_LOG_LEVEL is 6 unless the user set it: kineto's USDT start/stop lines off on
+    stderr (it reads the level when the profiler is first used). After, the environment is as it
+    was: a process (and the processes it starts) does not inherit the setting."""
+    before = os.environ.get("KINETO_LOG_LEVEL")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
+def kernel_workspace(fn) -> int:
+    """Bytes a call of `fn` holds at its peak beyond what it returns, as the CPU allocator sees them
+    (the profiler's memory events: what a kernel allocates inside itself, unseen by a dispatcher
+    meter)."""
+    from torch.profiler import ProfilerActivity, profile
+    with kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        if ev.tag == ProfilerEventType.Allocation:
+            events.append((ev.start_time_ns, ev.extra_fields.alloc_size))
+        stack += ev.children
+    running = peak = 0
+    for _, nbytes in sorted(events):
+        running += nbytes
+        peak = max(peak, running)
+    del out
+    return max(0, peak - running)
 
 
 def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, dict[str, int], list]:

@@ -95,12 +95,14 @@ def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
     made_outs = {storage_key(t) for t in map(_tensor, user_outs) if t is not None}
     inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
+    # the check frees the tangents as the backward's wrapper does (NOTE [ boxed gradients ] in
+    # runtime/rewrite/compiled.py); the model holds them to the end: a guide, closer that way
     held = static | {storage_key(t) for t in tangents}
     counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
     grads = list(bw.graph.find_nodes(op="output")[0].args[0])[:len(primals)]
     if wrapper:
         forward, strides = wrapper_memory(fw, static, set(), visible)
-        backward, _ = wrapper_memory(bw, held, counted, None, bool(copied), strides)
+        backward, _ = wrapper_memory(bw, static, counted, None, bool(copied), strides)
     else:
         forward, backward = graph_memory(fw, static, set(), copies), graph_memory(bw, held, counted,
                                                                                    channels_last=bool(copied))
@@ -108,7 +110,8 @@ def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
         primals=tuple(map(_meta, primals)), outputs=tuple(map(_meta, user_outs)),
         saved_bytes=_saved(outs, joint.kwargs["num_fwd_outputs"], static | made_outs),
         forward=forward, backward=backward,
-        tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents),
+        # a scalar's (a loss's, whose root gradient backward() holds too) is not taken off
+        tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents if t.dim()),
         grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied else _meta(g)
                     for p, g in zip(primals, grads)),
         recomputed_ops=_recomputed(fw, bw), seconds=time.process_time() - t0)

@@ -456,7 +456,7 @@ def _say_logs(say):
     on stderr (none with --quiet or --json), and a failing op under fake tensors not logged with
     its traceback (we report it in one line). Afterwards both loggers are as they were, however
     the block ends (a return, an error, SystemExit): `main` called in a process (a test, a
-    notebook) leaves no trace. The profiler's quiet environment is runtime.measure's (_kineto_quiet)."""
+    notebook) leaves no trace. The profiler's quiet environment is planner.compat's (kineto_quiet)."""
     log, fake = logging.getLogger("remat"), logging.getLogger("torch._subclasses.fake_tensor")
     before = (log.handlers[:], log.level, log.propagate, fake.level)
     log.handlers[:] = [_Say(say)]
@@ -476,7 +476,7 @@ def _say_logs(say):
 # a user factory's draws (its weights, its inputs) do not move the caller's random stream and a
 # second call builds the same model. Both hold however a command ends, SystemExit included.
 # What the planner and runtime.measure change they put back themselves (planner.step.kernels,
-# planner.capture.muted, runtime.measure.peak._kineto_quiet); tests/test_process_state.py holds
+# planner.capture.muted, planner.compat.kineto_quiet); tests/test_process_state.py holds
 # them all to a snapshot of the process.
 def main(argv: list[str] | None = None) -> int:
     try:

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from remat.planner.compat import ProfilerEventType, tree_flatten
+from remat.planner.compat import ProfilerEventType, kineto_quiet, tree_flatten
 
 from remat.planner.step.storage import LiveBytes, storage_of, tensors_in
 
@@ -231,7 +231,7 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
     with the frees the profiler cannot see put back (NOTE [ unseen frees ]).
     """
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
-    with _kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step_fn()
     return sum(resident.values()) + held_peak(_memory_events(prof.profiler.kineto_results.experimental_event_tree()))
 
@@ -287,17 +287,3 @@ def held_peak(events: list[tuple[int, int, int, float, bool]]) -> int:
         running += d
         peak = max(peak, running)
     return peak
-
-
-@contextlib.contextmanager
-def _kineto_quiet():
-    """Inside, KINETO_LOG_LEVEL is 6 unless the user set it: kineto's USDT start/stop lines off on
-    stderr (it reads the level when the profiler is first used). After, the environment is as it
-    was: a process (and the processes it starts) does not inherit the setting."""
-    before = os.environ.get("KINETO_LOG_LEVEL")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("KINETO_LOG_LEVEL", None)
