@@ -323,6 +323,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, 
             # own), an input tensor's (a symbol has none)
             layouts = {name: buf.get_layout() for name, buf in graph.graph_inputs.items() if hasattr(buf, "get_layout")}
             layouts.update({name: buf.layout for name, buf in graph.name_to_buffer.items()})
-            sizes = {name: int(lay.storage_size()) * lay.dtype.itemsize for name, lay in layouts.items()
-                     if isinstance(lay, Layout)}
+            # a size still symbolic (the joint graph's dynamic dimensions, before any guard made it
+            # concrete) at the example's value, as the step runs it
+            sizes = {name: graph.sizevars.optimization_hint(lay.storage_size()) * lay.dtype.itemsize
+                     for name, lay in layouts.items() if isinstance(lay, Layout)}
     return code.value, sizes, strides
