@@ -7,6 +7,7 @@ tests/test_private_api.py holds every other file of planner/ and runtime/ to it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 
@@ -37,7 +38,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
            "partitioner", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
-           "inductor_layout_opt", "inductor_wrapper", "kineto_quiet", "kernel_workspace"]
+           "inductor_layout_opt", "inductor_wrapper", "allocation_events"]
 
 
 def clear_cublas_workspaces() -> None:
@@ -257,25 +258,23 @@ def kineto_quiet():
             os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
-def kernel_workspace(fn) -> int:
-    """Bytes a call of `fn` holds at its peak beyond what it returns, as the CPU allocator sees them
-    (the profiler's memory events: what a kernel allocates inside itself, unseen by a dispatcher
-    meter)."""
+def allocation_events(fn) -> tuple[object, list[tuple[int, int, int, float, bool]]]:
+    """`fn()`'s result, and the profiler's memory events while it ran, in time order: (time,
+    address, bytes (< 0: a free), end of the top-level event around it, made inside a c10d op);
+    an allocation outside any event has no such end (inf). What a kernel allocates inside itself
+    is among them, as the CPU allocator sees it (runtime/measure/peak.py NOTE [ unseen frees ])."""
     from torch.profiler import ProfilerActivity, profile
     with kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        result = fn()
+    out, stack = [], [(root, None, False) for root in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        ev = stack.pop()
+        ev, top_end, c10d = stack.pop()
         if ev.tag == ProfilerEventType.Allocation:
-            events.append((ev.start_time_ns, ev.extra_fields.alloc_size))
-        stack += ev.children
-    running = peak = 0
-    for _, nbytes in sorted(events):
-        running += nbytes
-        peak = max(peak, running)
-    del out
-    return max(0, peak - running)
+            out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
+                        math.inf if top_end is None else top_end, c10d))
+        c10d = c10d or ev.name.startswith("c10d::")
+        stack += [(c, ev.end_time_ns if top_end is None else top_end, c10d) for c in ev.children]
+    return result, sorted(out, key=lambda e: e[0])
 
 
 def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, dict[str, int], list]:

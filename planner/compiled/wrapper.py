@@ -9,11 +9,12 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import inductor_wrapper, kernel_workspace, storage_key
+from remat.planner.compat import allocation_events, compute_required_storage_length, inductor_wrapper, storage_key
 
 from .memory import GraphMemory, workspace
 
@@ -148,16 +149,29 @@ def _attention_workspaces(gm: fx.GraphModule) -> list[tuple[str, int]]:
     return out
 
 
+class _Layout(NamedTuple):
+    """A tensor argument as the real run needs it: its shape, strides and dtype."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def _layout(v):
-    return ("tensor", tuple(map(int, v.shape)), tuple(map(int, v.stride())), v.dtype) \
-        if isinstance(v, torch.Tensor) else v
+    return _Layout(tuple(map(int, v.shape)), tuple(map(int, v.stride())), v.dtype) if isinstance(v, torch.Tensor) else v
 
 
 @functools.lru_cache(maxsize=64)
 def _workspace(op, layouts: tuple, threads: int) -> int:
-    args = [torch.zeros(l[1], dtype=l[3]).as_strided(l[1], l[2]) if isinstance(l, tuple) and l[:1] == ("tensor",)
-            else l for l in layouts]
-    return kernel_workspace(lambda: op(*args))
+    """Bytes `op` holds at its peak beyond what it returns, run for real on zeros of `layouts`
+    (each on a storage as large as its strides reach) with `threads` torch threads."""
+    args = [torch.zeros(compute_required_storage_length(a.shape, a.stride, 0), dtype=a.dtype).as_strided(a.shape, a.stride)
+            if isinstance(a, _Layout) else a for a in layouts]
+    _, events = allocation_events(lambda: op(*args))
+    running = peak = 0
+    for _, _, nbytes, _, _ in events:
+        running += nbytes
+        peak = max(peak, running)
+    return max(0, peak - running)
 
 
 def _restrided(t, stride):

@@ -580,11 +580,10 @@ def stand_in(module: torch.nn.Module, real_state: dict[str, torch.Tensor], args,
 
     def measure(*layout):
         key = _memo_key(module, specs, example, autocast, layout) if memo is not None else None
-        if key is None or key not in memo:
-            value = measure_opaque(module, real_state, *specs, example, *layout)
-            if key is None:
-                return value
-            memo[key] = value
+        if key is None:
+            return measure_opaque(module, real_state, *specs, example, *layout)
+        if key not in memo:
+            memo[key] = measure_opaque(module, real_state, *specs, example, *layout)
         return memo[key]
 
     def rerun(grad_strides, held_grads):        # in the step's backward: as in its forward

@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
-import os
 import weakref
 from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from remat.planner.compat import ProfilerEventType, kineto_quiet, tree_flatten
+from remat.planner.compat import allocation_events, tree_flatten
 
 from remat.planner.step.storage import LiveBytes, storage_of, tensors_in
 
@@ -231,9 +228,8 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
     with the frees the profiler cannot see put back (NOTE [ unseen frees ]).
     """
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(live)}
-    with kineto_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step_fn()
-    return sum(resident.values()) + held_peak(_memory_events(prof.profiler.kineto_results.experimental_event_tree()))
+    _, events = allocation_events(step_fn)
+    return sum(resident.values()) + held_peak(events)
 
 
 # NOTE [ unseen frees ]
@@ -251,21 +247,6 @@ def allocator_peak(step_fn: Callable[[], object], *live) -> int:
 # allocation is taken as freed at its unseen free's bound: the reuse of its address, or the end
 # of its top-level event (the autograd node or op that made it) when that comes first; one made
 # inside a c10d collective and still held at the step's end, at the end of its top-level event.
-
-def _memory_events(tree) -> list[tuple[int, int, int, float, bool]]:
-    """(time, address, bytes, end of the top-level event around it, made inside a c10d op) per
-    profiler memory event, in time order; an allocation outside any event has no such end (inf:
-    its unseen free is bounded by the reuse of its address only)."""
-    out, stack = [], [(root, None, False) for root in tree]
-    while stack:
-        ev, top_end, c10d = stack.pop()
-        if ev.tag == ProfilerEventType.Allocation:
-            out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size,
-                        math.inf if top_end is None else top_end, c10d))
-        c10d = c10d or ev.name.startswith("c10d::")
-        stack += [(c, ev.end_time_ns if top_end is None else top_end, c10d) for c in ev.children]
-    return sorted(out, key=lambda e: e[0])
-
 
 def held_peak(events: list[tuple[int, int, int, float, bool]]) -> int:
     """The peak of the running sum of `events` ((time, address, bytes, top-level end, in a c10d
