@@ -72,11 +72,12 @@ def compare(schedule: str, steps: int) -> list[dict]:
     (one spawn of the ranks for the unplanned runs, one for the planned)."""
     uniform, unplanned = run_many([config(schedule, checkpoint_blocks=True, steps=steps), config(schedule, steps=steps)])
     budget = max(max(r["peaks"]) for r in uniform)
-    planned = run_many([config(schedule, plan=True, budget=budget, steps=steps)])[0]
+    planned = run_many([config(schedule, plan=True, budget=budget, steps=steps, allocator=True)])[0]
     rows = []
     for u, n, p in zip(uniform, unplanned, planned):
         rows.append(dict(schedule=schedule, rank=p["rank"], budget=budget, unplanned=max(n["peaks"]),
                          uniform=max(u["peaks"]), measured=max(p["peaks"]), predicted=p["predicted_peak_bytes"],
+                         allocator=p["allocator"],
                          regions=len(p["regions"]), extra=p.get("extra_compute"),
                          uniform_extra=uniform_extra(schedule, p["rank"]),
                          s_unplanned=_median(n["seconds"]), s_uniform=_median(u["seconds"]),
@@ -86,12 +87,14 @@ def compare(schedule: str, steps: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| schedule | rank | budget B | unplanned B | per-block B | remat measured B | remat predicted B | "
-            "regions | remat extra compute | per-block extra compute | s/step unplanned | per-block | remat | plan s |")
+            "remat allocator B | regions | remat extra compute | per-block extra compute | s/step unplanned | "
+            "per-block | remat | plan s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         extra = "-" if r["extra"] is None else f"{r['extra']:.1f}%"
         out.append(f"| {r['schedule']} | {r['rank']} | {r['budget']} | {r['unplanned']} | {r['uniform']} | "
-                   f"{r['measured']} | {r['predicted']} | {r['regions']} | {extra} | {r['uniform_extra']:.1f}% | "
+                   f"{r['measured']} | {r['predicted']} | {r['allocator']} | {r['regions']} | {extra} | "
+                   f"{r['uniform_extra']:.1f}% | "
                    f"{r['s_unplanned']:.3f} | "
                    f"{r['s_uniform']:.3f} | {r['s_remat']:.3f} | {r['plan_s']:.1f} |")
     return "\n".join(out)
@@ -184,7 +187,9 @@ def main(argv=None) -> int:
             f"torch {torch.__version__}, 2 gloo ranks on 2 shared CPU cores, a 4-block GPT (d=64, 2 blocks a "
             f"rank: one stage, or under interleaved 1F1B and zero bubble two of one block), 4 micro-batches of "
             f"2x32 tokens; budget: "
-            f"the per-block policy's largest per-rank peak; extra compute: of the rank's forward. "
+            f"the per-block policy's largest per-rank peak; extra compute: of the rank's forward; measured: live "
+            f"storages, the largest of the steps; allocator: one more step of the planned run, the CPU allocator's "
+            f"peak. "
             f"`python benchmarks/pipeline.py --steps {a.steps} --schedules {' '.join(a.schedules)}"
             f"{' --job' if a.job else ''}` (the gloo runs "
             f"{gloo_s:.0f} s, {time.perf_counter() - t0:.0f} s in all).\n\n" + table(rows) + "\n" + whole)

@@ -233,6 +233,27 @@ def _metered(step, modules: list[nn.Module], live: list[torch.Tensor]) -> int:
     return meter.peak_bytes
 
 
+def _allocator_step(pstages, schedule, modules, opt, inputs, first, last, tokens, targets, keep) -> int:
+    """One more step's peak as the CPU allocator sees it (what the rank holds before it included),
+    which also sees what is made below the dispatcher (gloo's staging copies)."""
+    from remat.runtime.measure.peak import allocator_peak
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+    live_tensors = held(pstages, schedule, modules, opt, inputs)[1]
+    baseline = [t for m in modules for t in list(m.parameters()) + list(m.buffers())] + live_tensors
+    # counted here, not held through the step: a V's middle rank drops its receive buffers in it
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in baseline}.values())
+    del baseline, live_tensors
+
+    def step():
+        losses: list = []
+        kw = dict(target=targets, losses=losses) if last else {}
+        schedule.step(*([tokens] if first else []), return_outputs=keep, **kw)
+        if opt is not None:
+            opt.step()
+    return resident + allocator_peak(step)
+
+
 # ---------------------------------------------------------------- one rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -372,6 +393,8 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
         res["peaks"].append(peak)
         res["live_before"].append(live)
         res["losses"].append(torch.stack([l.detach() for l in losses]).mean().item() if losses else None)
+    if cfg.get("allocator"):
+        res["allocator"] = _allocator_step(pstages, schedule, modules, opt, inputs, first, last, tokens, targets, keep)
     res["live_after"] = held(pstages, schedule, modules, opt, inputs)[0]
     # named as in the plain split (a Checkpointed block's `.inner` dropped), by stage on a rank of several
     many = len(modules) > 1
@@ -426,15 +449,16 @@ def _traced(pstages: list, out: list):
 def config(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,
            steps: int = 2, model: str = "gpt", optimizer: bool = False, checkpoint_blocks: bool = False,
            layers_per_stage: int = 2, seed: int = SEED, return_outputs: bool = False, trace: bool = False,
-           refuse: bool = False) -> dict:
+           refuse: bool = False, allocator: bool = False) -> dict:
     """One run's settings, as `run` takes them (its keyword arguments); `run_many` runs several
-    in one spawn of the ranks."""
+    in one spawn of the ranks. `allocator`: one more step, metered by the CPU allocator
+    (`allocator`: its peak, runtime.measure.peak.allocator_peak)."""
     if schedule not in SCHEDULES + MORE and not refuse:
         raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES + MORE}")
     return dict(schedule=schedule, n_stages=n_stages, n_microbatches=n_microbatches, budget=budget, plan=plan or refuse,
                 steps=steps, model=model, optimizer=optimizer, checkpoint_blocks=checkpoint_blocks,
                 layers_per_stage=layers_per_stage, seed=seed, return_outputs=return_outputs, trace=trace,
-                refuse=refuse)
+                refuse=refuse, allocator=allocator)
 
 
 def run(schedule: str = "gpipe", n_stages: int = 2, n_microbatches: int = 4, budget=None, plan: bool = False,

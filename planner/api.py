@@ -20,6 +20,7 @@ from remat.planner.profile.rates import DeviceRates
 from remat.planner.result import Plan
 from remat.planner.step.rng import rng_preserved
 from remat.planner.step.state import buffers_restored, mode_key, state_preserved, training_modes
+from remat.planner.step.storage import region_state_bytes
 from remat.planner.capture.check import check_capture, skipped
 from remat.planner.capture.trace import Traced, capture
 from remat.planner.step.workspace import workspace_bytes
@@ -72,6 +73,8 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
         mem = optimizer_memory(optimizer, target_device)
         cg = with_optimizer(cg, mem.state_bytes, mem.step_bytes, mem.name)
     cg = with_workspace(cg, workspace_bytes(target_device or step_device(traced.gm, named), _step_dtypes(model)))
+    if target_device is not None:       # a CUDA step's allocator does not hold the regions' host RNG states
+        cg = replace(cg, region_state_bytes=region_state_bytes(torch.device(target_device)))
     cg = accumulating(cg, accumulation_steps)
     cg = replace(cg, meta={**cg.meta, "trace_path": traced.path, "modes": list(mode_key(model)),
                            "trace_attempts": [list(a) for a in traced.attempts], "capture_check": checked,

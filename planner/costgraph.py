@@ -70,6 +70,10 @@ class CostGraph:
     # plan keeps of it (simulate.retained_bytes), and after the first backward every parameter
     # gradient exists (NOTE [ liveness ]). (): one step
     inflight: tuple[int, ...] = ()
+    # the host RNG state each region keeps (planner/step/storage.py NOTE [ host RNG states ]): from
+    # its start until the backward of its lowest node that saves a tensor, one more while it
+    # recomputes; 0 where the step's memory is a device's
+    region_state_bytes: int = 0
 
     def __post_init__(self):
         n = len(self.nodes)
@@ -97,13 +101,14 @@ class CostGraph:
         producer -> node per entry of its users (kind "user"), holders ("holder") and mutated_by
         ("mutated_by"), keyed by (storage id, kind, position in that tuple), with `storage`, `bytes`,
         `kind` and `output`. Graph attributes: fixed_bytes, param_bytes, region_s, sac_op_s,
-        optimizer_step_bytes, loss_differentiates, inflight, meta, and n_storages (a storage nobody reads, holds or writes has no
+        optimizer_step_bytes, loss_differentiates, inflight, region_state_bytes, meta, and n_storages (a storage nobody reads, holds or writes has no
         edge: its producer's `storages` has it)."""
         import networkx as nx
 
         g = nx.MultiDiGraph(fixed_bytes=self.fixed_bytes, param_bytes=self.param_bytes, region_s=self.region_s,
                             sac_op_s=self.sac_op_s, optimizer_step_bytes=self.optimizer_step_bytes,
-                            loss_differentiates=self.loss_differentiates, inflight=self.inflight, meta=dict(self.meta), n_storages=len(self.storages))
+                            loss_differentiates=self.loss_differentiates, inflight=self.inflight,
+                            region_state_bytes=self.region_state_bytes, meta=dict(self.meta), n_storages=len(self.storages))
         made: list[list[tuple]] = [[] for _ in self.nodes]
         for sid, s in enumerate(self.storages):
             made[s.producer].append((sid, s.bytes, s.output))
@@ -137,6 +142,7 @@ class CostGraph:
             optimizer_step_bytes=d.get("optimizer_step_bytes"),
             loss_differentiates=d.get("loss_differentiates", False),
             inflight=tuple(d.get("inflight", ())),
+            region_state_bytes=d.get("region_state_bytes", 0),
         )
 
 

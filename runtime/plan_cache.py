@@ -35,7 +35,9 @@ from remat.planner.result import Plan
 
 log = logging.getLogger("remat.cache")
 
-FORMAT = 2      # the entry layout; an entry of another format is stale (2: plans made before the fake step read one fake per real tensor, issue 42)
+# the entry layout; an entry of another format is stale (2: plans made before the fake step read one
+# fake per real tensor, issue 42; 3: before regions' host RNG states were counted)
+FORMAT = 3
 
 
 def enabled(options) -> bool:

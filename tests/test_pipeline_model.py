@@ -31,7 +31,7 @@ from test_solver import EVERY, every_plan, random_graph
 def _retained(cg, regions) -> int:
     where = region_index(len(cg.nodes), regions)
     tops = [None] * len(regions)
-    return retained_bytes(cg, keep_release(cg, regions, where, tops))
+    return retained_bytes(cg, keep_release(cg, regions, where, tops), regions)
 
 
 GPIPE_FIRST = (3, -1, 3, 2)      # 4 micro-batches under GPipe: (forwards, forwards after a backward, B0, later)
@@ -213,7 +213,7 @@ def test_the_docs_table_is_the_benchmarks_current_file():
     fsdp_heading = "## PP x FSDP2: 2 stages x 2 data-parallel ranks"
     main = results.replace(_section(results, fsdp_heading), "")
     rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
-        r"^\| ([\w-]+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
+        r"^\| ([\w-]+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
         main, re.M)}
     fsdp = {}
     for m in re.findall(r"^\| (gpipe|1f1b) \| \d \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| "

@@ -190,7 +190,7 @@ def test_an_auxiliary_loss_stored_on_a_module_trains_as_the_model_does(branch):
     losses and gradients bitwise, the stored losses real tensors equal to the model's own."""
     torch.manual_seed(0)
     model, x = MoE(branch=branch), torch.randn(4, 16, 32)
-    plan = _train_like(model, x, _with_aux, budget="90%" if branch else "70%")
+    plan = _train_like(model, x, _with_aux, budget="90%" if branch else "80%")
     assert plan.trace_path == ("module tree" if branch else "fx")
     assert branch or plan.regions
     model.zero_grad(set_to_none=True)

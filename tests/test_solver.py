@@ -174,7 +174,8 @@ EVERY = SolveOptions(max_cuts=10**6, max_span=10**6, rel_gap=0.0, max_nodes=10**
 
 def random_graph(seed: int, n: int = 7) -> CostGraph:
     """n compute nodes and a loss: random storages (sizes, readers, holders, a model output),
-    gradients, FLOPs, extra working memory, trivial nodes (views) among them."""
+    gradients, FLOPs, extra working memory, trivial nodes (views) among them, and in half of
+    them a host RNG state each region keeps."""
     rng = random.Random(seed)
     nodes, storages = [], []
     trivial = {i for i in range(1, n - 1) if rng.random() < 0.25}
@@ -197,8 +198,10 @@ def random_graph(seed: int, n: int = 7) -> CostGraph:
                           bwd_extra_bytes=0, grad_bytes=0, grad_last_user=n, param_grad_bytes=0,
                           recomputable=False, why_not="loss"))
     storages.append(StorageCost(MB, n, (), (n,)))
+    # half of them with a host RNG state per region, as large as an activation (a CPU's is 5 kB)
+    state = rng.choice([0, rng.randint(1, 4) * MB // 2])
     return CostGraph(nodes=tuple(nodes), storages=tuple(storages), fixed_bytes=10 * MB, param_bytes=MB,
-                     region_s=2e-5, sac_op_s=3e-6)
+                     region_s=2e-5, sac_op_s=3e-6, region_state_bytes=state)
 
 
 def every_plan(cg: CostGraph):

@@ -34,7 +34,7 @@ from remat.planner.profile.rates import DeviceRates
 from remat.planner.solve.simulate import timeline
 from remat.planner.step.state import assign_attribute
 from remat.planner.step.fake import FakeState, describe, fake_step, model_loss, run_step, training_loss
-from remat.planner.step.storage import LiveBytes, fake_twin, tensors_in, unlinked
+from remat.planner.step.storage import LiveBytes, fake_twin, region_state_bytes, tensors_in, unlinked
 from remat.planner.capture.trace import placeholder_values
 
 LOSS = "loss"
@@ -381,7 +381,7 @@ def profile(gm: fx.GraphModule, inputs: dict, loss_fn=None, rates: DeviceRates |
         region_s=measured.region_s if measured else rates.region_s,
         sac_op_s=measured.sac_op_s if measured else rates.sac_op_s,
         param_bytes=_unique_bytes(p.untyped_storage() for p in run.grad_params.values()),
-        loss_differentiates=run.runner.loss_differentiates,
+        loss_differentiates=run.runner.loss_differentiates, region_state_bytes=region_state_bytes(device),
         meta={"torch": torch.__version__, "nodes": len(run.runner.index),
               "loss": "given" if loss_fn is not None else run.runner.loss_kind,
               "mutated_buffers": _mutated_buffers(gm, run, opaque), "keep_output": keep_output,

@@ -25,6 +25,8 @@ at its start <= h): valid at integer points, and it tightens the LP relaxation a
 [Pipeline] a pipeline rank (CostGraph.inflight) adds simulate.pipeline_adds to the lines: each
 forward line twice (a R; G + b R) and each backward line twice (c R; G - G_param(t) + d R), with
 R = J at the end of forward + the outputs (what each other micro-batch in flight holds).
+[State] each chosen region's host RNG state (0 on a device), held as the simulator holds it:
+J and K gain it at the region's start and at its lowest saving node (`state_lines`).
 [Optimizer] F + all parameter grads + outputs + the optimizer step's temporaries <= B (a
 constant: the same under every plan; present when the step planned ends with optimizer.step()).
 [Backward] at node t: Base^b_t + K_t + sum_{X contains t} x_X w_X(t) <= B,
@@ -57,7 +59,7 @@ from remat.planner.solve.improve import Search, evals, improve, search
 from remat.planner.solve.nogc import paused
 from remat.planner.options import SolveOptions
 from remat.planner.result import Region
-from remat.planner.solve.simulate import base_liveness, grads_before, last_reader, timeline
+from remat.planner.solve.simulate import base_liveness, grads_before, last_reader, state_release, timeline
 
 US = 1e6     # the objective is in microseconds: CBC's tolerances suit numbers of that size
 MB = 1e-6    # bytes -> MB: keeps CBC's numerics sane
@@ -237,6 +239,28 @@ def keep_lines(prob, cg: CostGraph, cands: list[Candidate], x, y, coverable) -> 
     return lines
 
 
+def state_lines(cg: CostGraph, cands: list[Candidate], x, lines: Lines) -> None:
+    """[State] Each chosen region's host RNG state (`CostGraph.region_state_bytes`), live from its
+    start to the end of forward and in backward from its lowest saving node on (a candidate
+    recomputes something, so one of its nodes saves: simulate.state_release); its
+    recomputation's is in its working set. Chosen regions are disjoint: at most one starts, and
+    one releases, at a node."""
+    mb = cg.region_state_bytes * MB
+    if not mb:
+        return
+    starts, lows = set(), set()
+    for j, c in enumerate(cands):
+        low = state_release(cg, c.region)
+        lines.fwd_d[c.region.start].append(mb * x[j])
+        lines.bwd_d[low].append(mb * x[j])
+        starts.add(c.region.start)
+        lows.add(low)
+    for t in starts:
+        lines.fwd_max[t] += mb
+    for t in lows:
+        lines.bwd_max[t] += mb
+
+
 def budget_lines(prob, cg: CostGraph, cands: list[Candidate], x, covering, lines: Lines, B,
                   fixed_budget: bool) -> None:
     """[Forward] and [Backward]: live bytes at every node, each pass, at most B."""
@@ -298,6 +322,7 @@ def _model(cg: CostGraph, cands: list[Candidate], budget_bytes: int | None) -> M
     B = variable(prob, "B", 0) if budget_bytes is None else budget_bytes * MB
     x, y, covering, coverable = path_lines(prob, cands, len(cg.nodes))
     lines = keep_lines(prob, cg, cands, x, y, coverable)
+    state_lines(cg, cands, x, lines)
     budget_lines(prob, cg, cands, x, covering, lines, B, budget_bytes is not None)
     cost = lin([(x[j], c.cost_s * US) for j, c in enumerate(cands)])     # [Objective]
     return Model(prob, x, y, B, cost)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from remat.planner.solve.candidates import SearchSpace
 from remat.planner.costgraph import CostGraph
 from remat.planner.result import Region
-from remat.planner.solve.simulate import base_liveness, last_reader, pipeline_adds, timeline
+from remat.planner.solve.simulate import base_liveness, last_reader, pipeline_adds, state_release, timeline
 
 _EPS_S = 1e-12       # seconds: a cost change smaller than this is no change
 WORK = 2_000_000     # plans times nodes a local search after a solve scores, at most ...
@@ -53,6 +53,8 @@ class Judge:
         self.outputs = sum(s.bytes for s in cg.storages if s.output)
         self.last: dict[int, int] = {}
         self.held: list[tuple[int, tuple[int, ...]]] = []
+        self.state = cg.region_state_bytes          # each region's host RNG state (NOTE [ liveness ])
+        self.low: dict = {}                         # region -> simulate.state_release
         for sid, s in enumerate(cg.storages):
             if s.bytes <= 0 or s.output:          # outputs are in the base: kept whatever the plan
                 continue
@@ -87,13 +89,21 @@ class Judge:
             b = self.bytes[sid]
             fd[self.last[sid] + 1] += b
             bd[q] += b
+        for c in plan if self.state else ():       # a candidate recomputes: one of its nodes saves
+            r = c.region
+            low = self.low.get(r)
+            if low is None:
+                low = self.low[r] = state_release(self.cg, r)
+            fd[r.start] += self.state
+            bd[low] += self.state
         # forward: base + kept so far; backward: base + released so far + the region's working set;
         # the optimizer's step: the same under every plan (running sums in C: the search's inner loop)
         fwd = max(map(add, self.fwd[:n], accumulate(fd[:n])))
         bwd = max(map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work))
         if not self.cg.inflight:
             return max(self.opt, fwd, bwd)
-        fwd_add, bwd_add = pipeline_adds(self.cg, self.outputs + sum(self.bytes[sid] for sid in rel))
+        fwd_add, bwd_add = pipeline_adds(self.cg, self.outputs + sum(self.bytes[sid] for sid in rel)
+                                         + self.state * len(plan))
         bwd = max(map(add, map(add, map(add, self.bwd[:n], accumulate(bd[:n])), work), bwd_add))
         return max(self.opt, fwd + fwd_add, bwd)
 

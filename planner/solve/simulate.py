@@ -31,6 +31,12 @@ R what one micro-batch retains from its forward to its backward (its kept storag
 `retained_bytes`) and G all parameter grads: forward max(a R, G + b R); backward at t
 max(c R, G - G_param(t) + d R) (after the first backward every parameter grad exists), each term
 only where the schedule has such an action; the optimizer's step aside (`pipeline_adds`).
+Each region also keeps the host RNG state checkpoint stashes (`CostGraph.region_state_bytes`, 0 on a
+device; NOTE [ host RNG states ] in planner/step/storage.py): from its start to the end of forward
+and in backward until after its lowest saving node (the lowest node of R that holds a storage:
+its saved tensors reference checkpoint's frame, which holds the state), only over its own nodes
+when none of them saves; its recomputation holds one more (fork_rng's); a pipeline micro-batch
+retains the states of its saving regions.
 After backward, when the step planned has one, the optimizer steps: live are F (its state among
 them), every parameter grad, the kept outputs and the step's measured temporaries.
 At top(R), the recomputation itself runs, when top(R)'s backward starts: its peak is what is live
@@ -195,12 +201,18 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
         if r is not None and not s.output:                      # outputs are in the base
             _prefix_add(fwd_d, last_reader(s) + 1, n - 1, s.bytes)   # kept: live to the end of forward
             _prefix_add(bwd_d, r, n - 1, s.bytes)
+    state = cg.region_state_bytes
+    for r in regions if state else ():
+        low = state_release(cg, r)
+        _prefix_add(fwd_d, r.start, n - 1 if low is not None else r.end, state)
+        if low is not None:
+            _prefix_add(bwd_d, low, n - 1, state)
     fwd_kept, bwd_kept = _cumsum(fwd_d), _cumsum(bwd_d)
     fwd = tuple(base.fwd[t] + fwd_kept[t] for t in range(n))
     bwd = [base.bwd[t] + bwd_kept[t] for t in range(n)]
     flops, secs = 0, 0.0
     if cg.inflight:                                       # the other micro-batches in flight
-        fwd_add, bwd_add = pipeline_adds(cg, retained_bytes(cg, rel))
+        fwd_add, bwd_add = pipeline_adds(cg, retained_bytes(cg, rel, regions))
         fwd = tuple(f + fwd_add for f in fwd)
         bwd = [b + a for b, a in zip(bwd, bwd_add)]
     for r, rc in zip(regions, recomputes):
@@ -213,11 +225,23 @@ def timeline(cg: CostGraph, regions: tuple[Region, ...]) -> Timeline:
     return Timeline(fwd, tuple(bwd), flops, secs, base.opt)
 
 
-def retained_bytes(cg: CostGraph, rel: list[int | None]) -> int:
+def retained_bytes(cg: CostGraph, rel: list[int | None], regions: tuple[Region, ...]) -> int:
     """What one micro-batch holds from its forward to its backward under a plan: the storages it
-    keeps (`keep_release`'s not None) and its outputs. A pipeline rank holds it once per other
-    micro-batch in flight (`CostGraph.inflight`) throughout the step (NOTE [ liveness ])."""
-    return sum(s.bytes for s, r in zip(cg.storages, rel) if r is not None or s.output)
+    keeps (`keep_release`'s not None), its outputs and its saving regions' RNG states. A pipeline
+    rank holds it once per other micro-batch in flight (`CostGraph.inflight`) throughout the step
+    (NOTE [ liveness ])."""
+    states = cg.region_state_bytes * sum(state_release(cg, r) is not None for r in regions) if cg.region_state_bytes else 0
+    return states + sum(s.bytes for s, r in zip(cg.storages, rel) if r is not None or s.output)
+
+
+def state_release(cg: CostGraph, r: Region) -> int | None:
+    """The node after whose backward region `r`'s host RNG state is freed: its lowest node that
+    holds a storage (None: none does, and the state is freed as its forward ends)."""
+    got = cg.memo.get("savers")
+    if got is None:
+        got = cg.memo["savers"] = sorted({h for s in cg.storages for h in s.holders})
+    k = bisect_left(got, r.start)
+    return got[k] if k < len(got) and got[k] <= r.end else None
 
 
 def grads_before(cg: CostGraph) -> tuple[int, ...]:
@@ -243,7 +267,7 @@ def pipeline_adds(cg: CostGraph, retained: int) -> tuple[int, list[int]]:
 def plan_retained(cg: CostGraph, regions: tuple[Region, ...]) -> int:
     """`retained_bytes` of a plan."""
     where = region_index(len(cg.nodes), regions)
-    return retained_bytes(cg, keep_release(cg, regions, where, [region_recompute(cg, r).top for r in regions]))
+    return retained_bytes(cg, keep_release(cg, regions, where, [region_recompute(cg, r).top for r in regions]), regions)
 
 
 class OneMicrobatch(NamedTuple):
@@ -347,7 +371,7 @@ def _region_recompute(cg: CostGraph, r: Region) -> Recompute:
     # above what is live outside it: the base at top(R) less what top(R)'s own backward makes
     # (it runs before that backward computes)
     peak = max((live[j - lo] + fwd_extra[j] for j in range(lo, end)), default=0)
-    peak -= made_in_backward(cg)[top]
+    peak += cg.region_state_bytes - made_in_backward(cg)[top]      # fork_rng's state while it runs
     todo = [j for j in range(lo, end) if j not in saved] if saved else range(lo, end)
     overhead = cg.region_s + (cg.sac_op_s * sum(ops[lo:hi + 1]) if saved else 0.0)
     return Recompute(work, top, peak, sum(flops[j] for j in todo), overhead + sum(cost[j] for j in todo))

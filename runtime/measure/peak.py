@@ -113,7 +113,7 @@ class StorageMeter(LiveBytes):
         self._grown: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [bytes since counted]
         self._reads: list[list[int]] = []         # per storage no op made, in order: [its bytes, 0 once freed]
         self._segment_peaks: list[int] = []       # the peak before each of those was first read
-        super().__init__(baseline=baseline)
+        super().__init__(baseline=baseline, host=True)
 
     def add(self, t: torch.Tensor, nbytes: int | None = None) -> bool:
         parts = plain(t)
