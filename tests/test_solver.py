@@ -497,3 +497,24 @@ def test_the_same_ilp_is_solved_once(monkeypatch):
         before = len(runs)
         solve_ilp(cg, **{"budget_bytes": 24 * MB, "opts": opts, **other})
         assert len(runs) > before, other
+
+
+def test_a_plan_that_leaves_its_budget_unused_says_why_and_is_the_cheapest_that_fits():
+    """NOTE [ budget used ]: a plan that recomputes and is predicted under 95% of its budget says
+    so in its notes, and what it says holds: no plan recomputing less fits (every plan
+    enumerated); one that uses the budget, or recomputes nothing, says nothing of it."""
+    seen = 0
+    for seed in range(8):
+        cg = random_graph(seed)
+        plans = [(timeline(cg, p), p) for p in every_plan(cg)]
+        peaks = sorted({tl.peak_bytes for tl, _ in plans})
+        for budget in {peaks[len(peaks) // 4], peaks[len(peaks) // 2], peaks[-2]}:
+            p = solve_plan(cg, budget, PlanOptions(solve=EVERY, safety_margin=0.0))
+            why = [n for n in p.notes if n.startswith("uses ")]
+            assert (bool(p.regions) and p.predicted_peak_bytes < 0.95 * budget) == bool(why), (seed, budget, p.notes)
+            if why:
+                seen += 1
+                assert f"uses {p.predicted_peak_bytes / budget:.1%} of the budget" in why[0]
+                cheaper = [tl.peak_bytes for tl, _ in plans if tl.recompute_s < p.recompute_s * (1 - 1e-9)]
+                assert all(peak > budget for peak in cheaper), (seed, budget)
+    assert seen

@@ -50,6 +50,7 @@ class Choice(NamedTuple):
     gap: float
     predicted: int = 0       # bytes: measured (times the margin) or simulated (times the safety margin)
     effective: int = 0       # the budget the ILP was given
+    why: str = ""            # why it uses less than USED of the budget (`_why_unused`), else ""
 
 
 class _Problem(NamedTuple):
@@ -215,6 +216,8 @@ def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: 
                             min_feasible_bytes=min_feasible, solver=choice.solver, status=choice.status,
                             gap=choice.gap, solve_s=time.perf_counter() - t0, recompute_flops=tl.recompute_flops,
                             recompute_s=tl.recompute_s, **base))
+    if choice.why:
+        plan = replace(plan, notes=plan.notes + (choice.why,))
     if choice.solver not in ("ilp", "none"):
         log.info("plan for %d bytes: the hand-made plan %r (%s)", budget_bytes, choice.solver, choice.status)
     return _noted(plan, pb)
@@ -272,6 +275,7 @@ def _fit(pb: _Problem) -> Choice:
         effective = int(budget * scale)
     under = over = predicted = None      # highest effective budget to go up from, lowest to go down from
     tries_left = None                    # solves left once a plan fits (AFTER_FIT)
+    tried: list[tuple[float, int]] = []  # (recompute seconds, prediction) of every plan solved
     for _ in range(pb.measure.rounds if pb.measure is not None else DEFAULT_ROUNDS):
         if tries_left is not None:
             if tries_left == 0:
@@ -286,6 +290,7 @@ def _fit(pb: _Problem) -> Choice:
         else:
             tl = timeline(pb.cg, choice.regions)
             predicted = pb.predict(choice.regions) if pb.measure is None else pb.measured(choice.regions)
+            tried.append((tl.recompute_s, predicted))
             # the simulated peak that would replay at the budget, were this plan's overstatement
             # everyone's, as the effective budget (a bound on the simulator's prediction: margin on)
             go_up = predicted <= budget
@@ -319,7 +324,28 @@ def _fit(pb: _Problem) -> Choice:
         effective = nxt
     if best is None:
         return _known_or_raise(pb, effective, max(predicted or 0, min(pb.peaks.values(), default=predicted or 0)))
-    return best[1]
+    return best[1]._replace(why=_why_unused(pb, best[1], best[0], tried))
+
+
+# NOTE [ budget used ]
+# A plan whose prediction leaves more than 5% of its budget unused says why in its notes (issue
+# 45: use the budget, or name why not): the plans recomputing less that the fit solved and found
+# over the budget (the closest named), or, where it solved none, that the solver found no plan
+# recomputing less whose simulated peak fits. Regions are whole: the next cheaper plan may hold a
+# block's activations more, a step larger than the room left.
+USED = 0.95
+
+
+def _why_unused(pb: _Problem, choice: Choice, recompute_s: float, tried: list[tuple[float, int]]) -> str:
+    used = choice.predicted / pb.budget
+    if used >= USED:
+        return ""
+    over = [p for s, p in tried if s < recompute_s and p > pb.budget]
+    head = f"uses {used:.1%} of the budget ({pb.source}): the cheapest plan found that fits;"
+    if over:
+        return (f"{head} {len(over)} plan(s) recomputing less were tried and peak over it, the closest at "
+                f"{min(over) / pb.budget:.1%} of it")
+    return f"{head} the solver found no plan recomputing less whose simulated peak fits"
 
 
 # NOTE [ one floor ]
