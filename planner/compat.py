@@ -277,14 +277,17 @@ def allocation_events(fn) -> tuple[object, list[tuple[int, int, int, float, bool
     return result, sorted(out, key=lambda e: e[0])
 
 
-def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, dict[str, int], list]:
+def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
+                     donated: tuple[int, ...] = ()) -> tuple[str, dict[str, int], list]:
     """The Python wrapper Inductor generates for a partitioned graph, without compiling a kernel:
     the steps of torch._inductor.compile_fx's codegen (fake propagation, post-grad passes,
     GraphLowering, its scheduler's fusion, the kernels' sources and the wrapper's memory plan) on
     `gm` (changed in place) and its fake `inputs`; with each buffer's and input's storage bytes,
     and each output's strides as Inductor lays it out (None: not a tensor).
     A forward graph's `visible` outputs (the user's) keep their strides, as compile_fx_forward
-    marks them; None: a backward graph, marked as compile_fx_backward does."""
+    marks them; None: a backward graph, marked as compile_fx_backward does. A backward graph's
+    `donated` inputs (by position) are buffers it may reuse, as AOTAutograd's donated saved tensors
+    are (`bw_donated_idxs`, which Inductor reads from the tracing context we do not run under)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
                                             fake_tensor_prop)
@@ -313,6 +316,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None) -> tuple[str, 
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env, graph_id=0,
                               is_inference=False, is_backward=is_backward)
+        if is_backward and donated and torch._functorch.config.donated_buffer:
+            graph.bw_donated_idxs = list(donated)
         with V.set_graph_handler(graph):
             graph.run(*inputs)
             strides = [tuple(map(int, o.get_layout().stride)) if o.has_tensor_output() else None

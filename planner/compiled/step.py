@@ -18,7 +18,7 @@ from remat.planner.compat import inductor_layout_opt, storage_key
 from .joint import Joint
 from .memory import GraphMemory, graph_memory
 from .tags import Decisions, partition
-from .wrapper import wrapper_memory
+from .wrapper import donated, wrapper_memory
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
 
@@ -102,7 +102,8 @@ def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
     grads = list(bw.graph.find_nodes(op="output")[0].args[0])[:len(primals)]
     if wrapper:
         forward, strides = wrapper_memory(fw, static, set(), visible)
-        backward, _ = wrapper_memory(bw, static, counted, None, bool(copied), strides)
+        backward, _ = wrapper_memory(bw, static, counted, None, bool(copied), strides,
+                                     donated(fw, bw, joint.kwargs["num_fwd_outputs"]))
     else:
         forward, backward = graph_memory(fw, static, set(), copies), graph_memory(bw, held, counted,
                                                                                    channels_last=bool(copied))
