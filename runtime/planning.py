@@ -271,7 +271,9 @@ def compiled_unplanned(measure: "ExactReplay") -> int:
 
 def solve_compiled(cg, budget_bytes: int, options: PlanOptions, opaque, measure: "ExactReplay") -> Plan:
     """`solve_plan` for the compiled step: fitted on the modelled buffers and checked by Inductor's
-    own memory plan, or fitted on that (NOTE [ the compiled check ])."""
+    own memory plan, or fitted on that (NOTE [ the compiled check ]). The compiled step runs no
+    checkpoint: its regions keep no host RNG state (the partition replays the forward's seeds)."""
+    cg = replace(cg, region_state_bytes=0)
     try:
         p = solve_plan(cg, budget_bytes, options, opaque, measure=measure, floor_if_needed=True)
         peak = measure.compiled.checked(p.regions)
