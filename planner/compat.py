@@ -331,4 +331,10 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
             # concrete) at the example's value, as the step runs it
             sizes = {name: graph.sizevars.optimization_hint(lay.storage_size()) * lay.dtype.itemsize
                      for name, lay in layouts.items() if isinstance(lay, Layout)}
+            # a fallback kernel of one output returns it itself (`bufN = torch.ops...`, then
+            # `bufM = bufN`): its size is its output's (its own layout says only "outputs")
+            for name, buf in graph.name_to_buffer.items():
+                outs = getattr(buf, "outputs", None)
+                if name not in sizes and isinstance(outs, list) and len(outs) == 1:
+                    sizes[name] = sizes.get(outs[0].get_name(), 0)
     return code.value, sizes, strides

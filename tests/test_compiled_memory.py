@@ -244,3 +244,23 @@ def test_the_wrapper_replay_frees_a_storage_with_its_last_name():
     live.bind("primals_1", "p", 100)
     replay(code, {"buf0": 16, "buf3": 32, "buf4": 8, "buf5": 32}, live)
     assert (live.peak, live.now) == (156, 132)     # 100 held + 16 + 32 + 8 at the call; 100 + 32 at the end
+
+
+def test_the_wrapper_replay_keeps_a_fallbacks_only_output_and_a_donated_input_it_reuses():
+    """A fallback kernel of one output is called as its own buffer and named again (`buf6 =
+    buf5`: the HF Llama's cumsum, 4 kB missed before); a donated saved input taken over by a buffer
+    (`buf8 = mm_1; del mm_1  # reuse`, NOTE [ donated buffers ]) moves its bytes, no new ones."""
+    from remat.planner.compiled.wrapper import Live, replay
+    code = """def call(self, args):
+        mm_1, = args
+        buf5 = torch.ops.aten.cumsum.default(mm_1, dim=-1)
+        buf6 = buf5
+        del buf5
+        buf8 = mm_1; del mm_1  # reuse
+        buf9 = reinterpret_tensor(buf6, (64, ), (1, ), 0); del buf6  # reuse
+        return (buf8, buf9)
+"""
+    live = Live(held=set())
+    live.bind("mm_1", "m", 100)
+    replay(code, {"buf5": 4096, "buf6": 4096, "buf8": 100}, live)
+    assert (live.peak, live.now) == (4196, 4196)

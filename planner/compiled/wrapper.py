@@ -22,7 +22,8 @@ from .memory import GraphMemory, workspace
 # Inductor's wrapper (its `call`) allocates each buffer as `bufN = empty_strided_cpu(...)`, hands a
 # dead one to a new one as `bufM = reinterpret_tensor(bufN, ...); del bufN  # reuse`, views one as
 # `bufM = reinterpret_tensor(bufN, ...)  # alias`, lets a fallback kernel allocate its own outputs
-# (`bufN = torch.ops...(...)`, `bufM = bufN[i]` for one of several) and frees with `del bufN`; the
+# (`bufN = torch.ops...(...)`, `bufM = bufN[i]` for one of several, `bufM = bufN` for its only
+# one: the call's output is that buffer, `bufN` its first name) and frees with `del bufN`; the
 # graph's inputs are freed the same way (the saved tensors AOTAutograd hands the backward and
 # clears). Kernels fused into one (and their kernel-local buffers) allocate nothing. A storage is
 # freed when its last name is deleted; `held` storages (parameters, tangents) never are.
@@ -30,6 +31,7 @@ _ALLOC = re.compile(r"(buf\d+) = empty_strided_\w+\(")
 _REUSE = re.compile(r"(buf\d+) = (?:reinterpret_tensor\()?(\w+)\b.*; del \2\s+# reuse")
 _ALIAS = re.compile(r"(buf\d+) = reinterpret_tensor\((\w+),")
 _ITEM = re.compile(r"(buf\d+) = (buf\d+)\[\d+\]")
+_SAME = re.compile(r"(buf\d+) = (buf\d+)$")          # a fallback's one output, named
 _CALL = re.compile(r"(buf\d+) = (?!reinterpret_tensor|empty_strided)[\w.]+\(")
 _DEL = re.compile(r"del (\w+(?:, \w+)*)")
 
@@ -67,7 +69,7 @@ def _line(live: Live, line: str, sizes: dict[str, int], items: dict[str, list[st
         if old in live.storage:
             live.bind(new, live.storage[old], 0)
         live.drop(old)
-    elif m := _ALIAS.match(line):
+    elif m := (_ALIAS.match(line) or _SAME.match(line)):
         if m.group(2) in live.storage:
             live.bind(m.group(1), live.storage[m.group(2)], 0)
     elif m := (_ALLOC.match(line) or _CALL.match(line)):
