@@ -294,7 +294,6 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
     from torch._inductor.debug import DebugContext
     from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch._inductor.graph import GraphLowering
-    from torch._inductor.ir import Layout
     from torch._inductor.virtualized import V
     from torch._guards import detect_fake_mode
     fake_mode = detect_fake_mode(inputs)
@@ -323,18 +322,25 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
             strides = [tuple(map(int, o.get_layout().stride)) if o.has_tensor_output() else None
                        for o in graph.graph_outputs]
             code, _ = graph.codegen()
-            # a buffer's own layout (a kernel's several outputs share none: each output has its
-            # own), an input tensor's (a symbol has none)
-            layouts = {name: buf.get_layout() for name, buf in graph.graph_inputs.items() if hasattr(buf, "get_layout")}
-            layouts.update({name: buf.layout for name, buf in graph.name_to_buffer.items()})
-            # a size still symbolic (the joint graph's dynamic dimensions, before any guard made it
-            # concrete) at the example's value, as the step runs it
-            sizes = {name: graph.sizevars.optimization_hint(lay.storage_size()) * lay.dtype.itemsize
-                     for name, lay in layouts.items() if isinstance(lay, Layout)}
-            # a fallback kernel of one output returns it itself (`bufN = torch.ops...`, then
-            # `bufM = bufN`): its size is its output's (its own layout says only "outputs")
-            for name, buf in graph.name_to_buffer.items():
-                outs = getattr(buf, "outputs", None)
-                if name not in sizes and isinstance(outs, list) and len(outs) == 1:
-                    sizes[name] = sizes.get(outs[0].get_name(), 0)
+            sizes = _buffer_sizes(graph)
     return code.value, sizes, strides
+
+
+def _buffer_sizes(graph) -> dict[str, int]:
+    """Each buffer's and input tensor's storage bytes in Inductor's lowered `graph`."""
+    from torch._inductor.ir import Layout
+    # a buffer's own layout (a kernel's several outputs share none: each output has its own), an
+    # input tensor's (a symbol has none)
+    layouts = {name: buf.get_layout() for name, buf in graph.graph_inputs.items() if hasattr(buf, "get_layout")}
+    layouts.update({name: buf.layout for name, buf in graph.name_to_buffer.items()})
+    # a size still symbolic (the joint graph's dynamic dimensions, before any guard made it
+    # concrete) at the example's value, as the step runs it
+    sizes = {name: graph.sizevars.optimization_hint(lay.storage_size()) * lay.dtype.itemsize
+             for name, lay in layouts.items() if isinstance(lay, Layout)}
+    # a fallback kernel of one output returns it itself (`bufN = torch.ops...`, then `bufM =
+    # bufN`): its size is its output's (its own layout says only "outputs")
+    for name, buf in graph.name_to_buffer.items():
+        outs = getattr(buf, "outputs", None)
+        if name not in sizes and isinstance(outs, list) and len(outs) == 1:
+            sizes[name] = sizes.get(outs[0].get_name(), 0)
+    return sizes
