@@ -178,17 +178,18 @@ def test_a_labelled_hugging_face_llama_is_checked_exactly_and_in_any_order():
     regions = known_plans(a.cost_graph)["every_block"]
     checked = measure.compiled.checked(regions)           # first: never modelled
     measured = CompiledReplay(model, a, None, {})(regions)
-    # 64 B: the Llama's steps check that much under the allocator, unplanned too (cause not found)
-    assert measured <= checked + 64 <= TOLERANCE * measured + 64, (checked, measured)
+    # the rotary inv_freq buffer (64 B), which Inductor folds in as a constant, is resident too:
+    # the stand-in left it out, and the Llama's steps checked 64 B under their allocator peaks
+    assert measured <= checked <= TOLERANCE * measured, (checked, measured)
     measure(regions)
     measure.compiled.checks.clear()
     assert measure.compiled.checked(regions) == checked
     # the sqrt plan's backward reuses donated saved tensors (NOTE [ donated buffers ]): checked
     # without them, 1.24% over here (5,032,488 vs 4,970,764 B; the benchmark's Llama 4.7%); with
-    # them, 28 B under
+    # them, at its allocator peak
     regions = known_plans(a.cost_graph)["sqrt"]
     checked, measured = measure.compiled.checked(regions), CompiledReplay(model, a, None, {})(regions)
-    assert measured <= checked + 64 <= 1.002 * measured + 64, (checked, measured)
+    assert measured <= checked <= 1.002 * measured, (checked, measured)
 
 
 @pytest.mark.slow

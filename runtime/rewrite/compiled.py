@@ -49,7 +49,9 @@ def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str,
 # backward, the saved storages dropped, a buffer of the backward graph's peak above the tangents
 # (freed), the tangents let go, then the gradients, laid out as the graph returns them (autograd
 # copies a gradient whose layout is not its parameter's as it accumulates it, in the replay as
-# for real).
+# for real). The stand-in's module holds every parameter and buffer of the model, the ones the
+# compiled graph takes as constants too (resident all the same: the HF Llama's rotary inv_freq,
+# whose 64 B it left out, checked 64 B under its allocator peak).
 #
 # NOTE [ boxed gradients ]
 # torch 2.13's compiled Function is called with its outputs' gradients boxed in a list
@@ -114,7 +116,13 @@ def stand_in(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> fx.GraphMo
     """A GraphModule on `gm`'s parameters and inputs whose forward and backward are `_Stand`'s."""
     g = fx.Graph()
     env = {n.target: g.node_copy(n, lambda a: None) for n in gm.graph.nodes if n.op == "placeholder"}
-    args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in _sources(gm, step, inputs)]
+    sources = _sources(gm, step, inputs)
+    args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in sources]
+    # the model's other tensors are resident too, though the compiled step does not take them as
+    # inputs (a buffer Inductor folds in as a constant: the HF Llama's rotary inv_freq, 64 B)
+    for name, _ in (*gm.named_parameters(), *gm.named_buffers()):
+        if name not in sources:
+            g.get_attr(name)
     call = g.call_function(_runner(step), tuple(args))
     leaves, spec, structured = output_leaves(gm)
     made = iter(range(len(step.outputs)))
