@@ -218,40 +218,47 @@ def held(stages: list, schedule, modules: list[nn.Module], opt, inputs) -> tuple
     return out, tensors
 
 
-def _metered(step, modules: list[nn.Module], live: list[torch.Tensor]) -> int:
-    """`peak_memory`'s meter of `step`: what the rank holds before it (`modules`' parameters and
-    buffers, and `live`, emptied here) counted from its start, as the meter tracks it, weakly: a
-    V-shaped schedule's middle rank drops its receive buffers during the step (NOTE [ a V's
-    handover ] in runtime/distributed/pipeline.py), and a reference held here would keep them."""
-    from remat.runtime.measure import peak as peak_mod
-    baseline = [t for m in modules for t in list(m.parameters()) + list(m.buffers())] + live
+def _baseline(modules: list[nn.Module], live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What the rank holds before a step: `modules`' parameters and buffers, and `live` (emptied
+    here, so that the caller holds none of it through the step: a V-shaped schedule's middle rank
+    drops its receive buffers during the step, NOTE [ a V's handover ] in
+    runtime/distributed/pipeline.py, and a reference held would keep them)."""
+    out = [t for m in modules for t in list(m.parameters()) + list(m.buffers())] + live
     live.clear()
-    meter = peak_mod.StorageMeter(baseline=baseline)
-    del baseline
+    return out
+
+
+def _metered(step, modules: list[nn.Module], live: list[torch.Tensor]) -> int:
+    """`peak_memory`'s meter of `step`, what the rank holds before it (`_baseline`) counted from its
+    start, as the meter tracks it: weakly."""
+    from remat.runtime.measure import peak as peak_mod
+    meter = peak_mod.StorageMeter(baseline=_baseline(modules, live))
     with meter, peak_mod.resizes_seen(meter):
         step()
     return meter.peak_bytes
 
 
-def _allocator_step(pstages, schedule, modules, opt, inputs, first, last, tokens, targets, keep) -> int:
-    """One more step's peak as the CPU allocator sees it (what the rank holds before it included),
-    which also sees what is made below the dispatcher (gloo's staging copies)."""
+def _allocator_metered(step, modules: list[nn.Module], live: list[torch.Tensor]) -> int:
+    """The CPU allocator's peak of `step` (runtime.measure.peak.allocator_peak), which also sees
+    what is made below the dispatcher (gloo's staging copies), plus what the rank holds before it
+    (`_baseline`, summed here, not held through the step)."""
     from remat.runtime.measure.peak import allocator_peak
-    for m in modules:
-        m.zero_grad(set_to_none=True)
-    live_tensors = held(pstages, schedule, modules, opt, inputs)[1]
-    baseline = [t for m in modules for t in list(m.parameters()) + list(m.buffers())] + live_tensors
-    # counted here, not held through the step: a V's middle rank drops its receive buffers in it
-    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in baseline}.values())
-    del baseline, live_tensors
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in _baseline(modules, live)}.values())
+    return resident + allocator_peak(step)
+
+
+def _step_of(schedule, opt, first: bool, last: bool, tokens, targets, keep: bool, losses: list):
+    """One `schedule.step` of the rank (its first stage given the tokens, its last the targets and
+    `losses`), then the optimizer's step if any."""
+    args = (tokens,) if first else ()
+    kwargs = dict(target=targets, losses=losses) if last else {}
 
     def step():
-        losses: list = []
-        kw = dict(target=targets, losses=losses) if last else {}
-        schedule.step(*([tokens] if first else []), return_outputs=keep, **kw)
+        schedule.step(*args, return_outputs=keep, **kwargs)
         if opt is not None:
             opt.step()
-    return resident + allocator_peak(step)
+    return step
 
 
 # ---------------------------------------------------------------- one rank
@@ -374,18 +381,7 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
             m.zero_grad(set_to_none=True)
         live, live_tensors = held(pstages, schedule, modules, opt, inputs)
         losses: list = []
-
-        def step():
-            if first:
-                schedule.step(tokens, target=targets if last else None, losses=losses if last else None,
-                              return_outputs=keep)
-            elif last:
-                schedule.step(target=targets, losses=losses, return_outputs=keep)
-            else:
-                schedule.step(return_outputs=keep)
-            if opt is not None:
-                opt.step()
-
+        step = _step_of(schedule, opt, first, last, tokens, targets, keep, losses)
         t0 = time.perf_counter()
         with _traced(pstages, res["trace"]) if cfg["trace"] else _nothing():
             peak = _metered(step, modules, live_tensors)
@@ -393,8 +389,11 @@ def _rank_steps(rank: int, cfg: dict) -> dict:
         res["peaks"].append(peak)
         res["live_before"].append(live)
         res["losses"].append(torch.stack([l.detach() for l in losses]).mean().item() if losses else None)
-    if cfg.get("allocator"):
-        res["allocator"] = _allocator_step(pstages, schedule, modules, opt, inputs, first, last, tokens, targets, keep)
+    if cfg.get("allocator"):        # one more step, metered by the CPU allocator
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        res["allocator"] = _allocator_metered(_step_of(schedule, opt, first, last, tokens, targets, keep, []),
+                                              modules, held(pstages, schedule, modules, opt, inputs)[1])
     res["live_after"] = held(pstages, schedule, modules, opt, inputs)[0]
     # named as in the plain split (a Checkpointed block's `.inner` dropped), by stage on a rank of several
     many = len(modules) > 1

@@ -315,7 +315,7 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env, graph_id=0,
                               is_inference=False, is_backward=is_backward)
-        if is_backward and donated and torch._functorch.config.donated_buffer:
+        if is_backward and donated:
             graph.bw_donated_idxs = list(donated)
         with V.set_graph_handler(graph):
             graph.run(*inputs)
@@ -324,6 +324,15 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
             code, _ = graph.codegen()
             sizes = _buffer_sizes(graph)
     return code.value, sizes, strides
+
+
+def donates_buffers(fw, bw) -> bool:
+    """Whether AOTAutograd donates saved tensors to the backward of this partition: functorch's
+    `donated_buffer` on, and neither graph mutating a tensor's metadata (as
+    collect_bw_donated_buffer_idxs decides)."""
+    import torch._functorch.config as functorch_config
+    from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
+    return functorch_config.donated_buffer and not (contain_metadata_mutation_ops(fw) or contain_metadata_mutation_ops(bw))
 
 
 def _buffer_sizes(graph) -> dict[str, int]:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import allocation_events, compute_required_storage_length, inductor_wrapper, storage_key
+from remat.planner.compat import (allocation_events, compute_required_storage_length, donates_buffers,
+                                  inductor_wrapper, storage_key)
 
 from .memory import GraphMemory, workspace
 
@@ -121,7 +122,10 @@ def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: 
 def donated(fw: fx.GraphModule, bw: fx.GraphModule, user_outputs: int) -> tuple[int, ...]:
     """The backward's inputs AOTAutograd donates (NOTE [ donated buffers ]), by position: the saved
     tensors whose storage no forward input, none of the forward's first `user_outputs` outputs
-    and no backward output shares."""
+    and no backward output shares; none where it donates none (planner.compat `donates_buffers`)."""
+    if not donates_buffers(fw, bw):
+        return ()
+
     def val(n):
         t = n.meta.get("val") if isinstance(n, fx.Node) else None
         return t if isinstance(t, torch.Tensor) else None

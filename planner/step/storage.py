@@ -228,19 +228,23 @@ _unwrapped = [torch.get_rng_state]      # torch's, while a meter runs
 
 def _get_rng_state() -> torch.Tensor:
     state = _unwrapped[0]()
-    if not _in_reentrant_checkpoint():
-        for meter in _meters:
-            if meter.host:
-                meter.add(state)
+    counting = [meter for meter in _meters if meter.host]
+    if counting and not _in_reentrant_checkpoint():
+        for meter in counting:
+            meter.add(state)
     return state
+
+
+@functools.lru_cache(maxsize=None)
+def _reentrant_codes() -> tuple:
+    from torch.utils.checkpoint import CheckpointFunction
+    return CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__
 
 
 def _in_reentrant_checkpoint(depth: int = 6) -> bool:
     """Whether torch's reentrant checkpoint (`CheckpointFunction`, the user's own: remat's regions
-    are non-reentrant) is asking, within `depth` frames."""
-    from torch.utils.checkpoint import CheckpointFunction
-    codes = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
-    frame = sys._getframe(2)
+    are non-reentrant) is asking, within `depth` frames of `_get_rng_state`'s caller."""
+    codes, frame = _reentrant_codes(), sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
