@@ -304,12 +304,25 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, extra_kwargs: dict
 _EXPORT_ASSIGNED = "assigned during export"     # torch.export's words for tensor attributes a forward assigned
 
 
+# NOTE [ one graph for every length ]
+# A run calls the model at many sizes (every padded length and batch of a Trainer run): every input
+# dimension is exported as Dim.AUTO, so export keeps a size symbolic unless the program fixes it,
+# and `Traced.shapes` says which later calls the one graph (and its plan) serves with no capture.
+# An export that fails with dynamic sizes is made again at the example sizes. A model on `meta` is
+# planned, never run (a 70B job from one process, `remat report` on meta): it is exported at the
+# example sizes only, the one shape it is planned for (an export with dynamic sizes takes 3-5x
+# the CPU time: the 70B pipeline job's three stages 11 -> 7 s of capture).
+
+
 def _export(model: torch.nn.Module, a: tuple, kw: dict):
     """torch.export (non-strict) with every input size dynamic where the program allows it, else
     at the example sizes (NOTE [ one graph for every length ]). With dynamic sizes fake tensors
     cache no op's output (`fake_cache_off`): a cached output's symbolic sizes and strides were
     rebuilt at every hit, dearer than the op (a 2-layer Mamba2 6.9 -> 3.5 CPU s, hf-bert 1.7 ->
     0.8; the same graph, but for the numbers in its `sym_size` nodes' names)."""
+    if _on_meta(model, a, kw):
+        with _exporting(model):
+            return torch.export.export(model, a, kw, strict=False)
     try:
         with _exporting(model), instance_forwards({model: _named_forward(model, kw)}), fake_cache_off():
             return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
@@ -320,6 +333,12 @@ def _export(model: torch.nn.Module, a: tuple, kw: dict):
                  type(model).__name__, _first_line(e))
     with _exporting(model):
         return torch.export.export(model, a, kw, strict=False)
+
+
+def _on_meta(model: torch.nn.Module, a: tuple, kw: dict) -> bool:
+    """Whether the model or an input is on `meta` (planned, never run)."""
+    leaves = [*model.parameters(), *pytree.tree_leaves((a, kw))]
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
 
 
 @contextlib.contextmanager
