@@ -278,7 +278,7 @@ def allocation_events(fn) -> tuple[object, list[tuple[int, int, int, float, bool
 
 
 def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
-                     donated: tuple[int, ...] = ()) -> tuple[str, dict[str, int], list]:
+                     donated: tuple[int, ...] = (), codegen: bool = True) -> tuple[str, dict[str, int], list]:
     """The Python wrapper Inductor generates for a partitioned graph, without compiling a kernel:
     the steps of torch._inductor.compile_fx's codegen (fake propagation, post-grad passes,
     GraphLowering, its scheduler's fusion, the kernels' sources and the wrapper's memory plan) on
@@ -287,7 +287,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
     A forward graph's `visible` outputs (the user's) keep their strides, as compile_fx_forward
     marks them; None: a backward graph, marked as compile_fx_backward does. A backward graph's
     `donated` inputs (by position) are buffers it may reuse, as AOTAutograd's donated saved tensors
-    are (`bw_donated_idxs`, which Inductor reads from the tracing context we do not run under)."""
+    are (`bw_donated_idxs`, which Inductor reads from the tracing context we do not run under).
+    Without `codegen`, only the lowering runs: no code and no sizes, the outputs' strides."""
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
                                             fake_tensor_prop)
@@ -321,6 +322,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
             graph.run(*inputs)
             strides = [tuple(map(int, o.get_layout().stride)) if o.has_tensor_output() else None
                        for o in graph.graph_outputs]
+            if not codegen:
+                return "", {}, strides
             code, _ = graph.codegen()
             sizes = _buffer_sizes(graph)
     return code.value, sizes, strides

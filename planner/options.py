@@ -45,6 +45,10 @@ class SolveOptions:
     improve_evals: int = 10_000
     """Plans the local search (planner/solve/improve.py) scores after a solve (at most its work limit
     divided by the graph's node count); 0: no local search."""
+    polish: bool = True
+    """The hierarchical solve's plan for a budget polished by the flat ILP on small graphs
+    (planner/solve/hierarchy.py); compile mode's fit does without (NOTE [ the compiled fit ] in
+    runtime/planning.py)."""
 
 @dataclass(frozen=True)
 class PipelineRank:

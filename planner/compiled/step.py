@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -18,7 +19,7 @@ from remat.planner.compat import inductor_layout_opt, storage_key
 from .joint import Joint
 from .memory import GraphMemory, graph_memory
 from .tags import Decisions, partition
-from .wrapper import donated, wrapper_memory
+from .wrapper import checked_memory, donated
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
 
@@ -76,43 +77,71 @@ def _saved(outs: list, first: int, skip: set) -> tuple[int, ...]:
     return tuple(saved)
 
 
-def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
-                  graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None) -> CompiledStep:
-    """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`): each
-    graph's buffers modelled (memory.py), or with `wrapper`, read from the wrapper Inductor
-    generates (wrapper.py: the check of a plan, seconds a graph). `graphs`: `decided`'s partition,
-    made before (neither reading changes it)."""
-    t0 = time.process_time()
-    fw, bw = graphs or partition(joint, decided)
+class _Read(NamedTuple):
+    """What both readings of a partition take from it (`compiled_step`, `check_started`)."""
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    primals: list
+    copied: set             # the forward's placeholders Inductor copies channels-last
+    static: set             # storages held throughout (parameters, buffers, inputs)
+    visible: list[int]      # the forward's user outputs, by index
+    counted: set            # the backward's inputs counted from its start (the saved tensors, tangents)
+    tangents: list
+
+
+def _read(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule]) -> _Read:
+    fw, bw = graphs
     primals = [n for n in fw.graph.nodes if n.op == "placeholder"]
     copied = _channels_last(fw, primals)
     static = {storage_key(t) for n in primals if n not in copied and (t := _tensor(n)) is not None}
-    copies = frozenset(storage_key(_tensor(n)) for n in copied)
+    mutated, users = joint.layout
+    outs = list(fw.graph.find_nodes(op="output")[0].args[0])
+    visible = [i for i in range(mutated, mutated + users) if isinstance(outs[i], fx.Node)]
+    inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
+    counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
+    return _Read(fw, bw, primals, copied, static, visible, counted, tangents)
+
+
+def check_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule], alongside: bool = False):
+    """The check of a partition (Inductor's wrapper for each graph, planner/compiled/wrapper.py
+    `checked_memory`), started: its `result()` is (forward, backward) GraphMemory (NOTE [ forked
+    workers ])."""
+    r = _read(joint, graphs)
+    return checked_memory(r.fw, r.bw, r.static, r.counted, r.visible, bool(r.copied),
+                          donated(r.fw, r.bw, joint.kwargs["num_fwd_outputs"]), alongside)
+
+
+def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
+                  graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None, check=None) -> CompiledStep:
+    """The compiled step's memory under `decided` (planner/compiled/tags.py `decisions`): each
+    graph's buffers modelled (memory.py), or with `wrapper`, read from the wrapper Inductor
+    generates (wrapper.py: the check of a plan, seconds a graph; `check`: that check, started
+    before by `check_started`). `graphs`: `decided`'s partition, made before (neither reading
+    changes it)."""
+    t0 = time.process_time()
+    r = _read(joint, graphs or partition(joint, decided))
+    fw, bw, primals, copied, static = r.fw, r.bw, r.primals, r.copied, r.static
     outs = list(fw.graph.find_nodes(op="output")[0].args[0])
     mutated, users = joint.layout
     user_outs = outs[mutated:mutated + users]
-    visible = [i for i in range(mutated, mutated + users) if isinstance(outs[i], fx.Node)]
     made_outs = {storage_key(t) for t in map(_tensor, user_outs) if t is not None}
-    inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
     # the check frees the tangents as the backward's wrapper does (NOTE [ boxed gradients ] in
     # runtime/rewrite/compiled.py); the model holds them to the end: a guide, closer that way
-    held = static | {storage_key(t) for t in tangents}
-    counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
+    held = static | {storage_key(t) for t in r.tangents}
     grads = list(bw.graph.find_nodes(op="output")[0].args[0])[:len(primals)]
     if wrapper:
-        forward, strides = wrapper_memory(fw, static, set(), visible)
-        backward, _ = wrapper_memory(bw, static, counted, None, bool(copied), strides,
-                                     donated(fw, bw, joint.kwargs["num_fwd_outputs"]))
+        forward, backward = (check or check_started(joint, (fw, bw))).result()
     else:
-        forward, backward = graph_memory(fw, static, set(), copies), graph_memory(bw, held, counted,
+        copies = frozenset(storage_key(_tensor(n)) for n in copied)
+        forward, backward = graph_memory(fw, static, set(), copies), graph_memory(bw, held, r.counted,
                                                                                    channels_last=bool(copied))
     return CompiledStep(
         primals=tuple(map(_meta, primals)), outputs=tuple(map(_meta, user_outs)),
         saved_bytes=_saved(outs, joint.kwargs["num_fwd_outputs"], static | made_outs),
         forward=forward, backward=backward,
         # a scalar's (a loss's, whose root gradient backward() holds too) is not taken off
-        tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in tangents if t.dim()),
+        tangent_bytes=sum(int(t.untyped_storage().nbytes()) for t in r.tangents if t.dim()),
         grads=tuple(None if not isinstance(g, fx.Node) else _cl(_meta(g)) if p in copied else _meta(g)
                     for p, g in zip(primals, grads)),
         recomputed_ops=_recomputed(fw, bw), seconds=time.process_time() - t0)

@@ -17,6 +17,8 @@ import torch.fx as fx
 from remat.planner.compat import (allocation_events, compute_required_storage_length, donates_buffers,
                                   inductor_wrapper, storage_key)
 
+from remat.planner.workers import cores, started
+
 from .memory import GraphMemory, workspace
 
 # NOTE [ the wrapper's memory plan ]
@@ -84,16 +86,77 @@ def _line(live: Live, line: str, sizes: dict[str, int], items: dict[str, list[st
                     live.drop(name)
 
 
+def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted: set, visible: list[int],
+                   channels_last: bool, donated: tuple[int, ...], alongside: bool = False):
+    """The forward's and the backward's buffers as Inductor's wrappers allocate them
+    (`wrapper_memory`), started: `result()` gives (forward, backward). On CPU with two cores or
+    more the two graphs are read at once, in forked workers (NOTE [ forked workers ]): the
+    backward's saved inputs laid out as traced where the forward has no convolution (Inductor
+    keeps those strides: checked when both are done, the backward read again here if one moved),
+    else as the forward's lowering lays them out (the backward's worker lowers it first); without
+    workers, one after the other, here. `alongside`: a check this process goes on beside (NOTE [ the
+    unplanned check, alongside ] in runtime/planning.py), read in one worker, one graph after the
+    other, leaving the other core to this process."""
+    kernels = _attention_workspaces(fw), _attention_workspaces(bw)    # the parent's thread count
+    devices = {t.device.type for g in (fw, bw) for n in g.graph.find_nodes(op="placeholder")
+               if isinstance(t := n.meta.get("val"), torch.Tensor)}
+    again = functools.partial(wrapper_memory, bw, static, counted, None, channels_last, donated=donated,
+                              kernels=kernels[1])
+    def both():
+        forward, strides = wrapper_memory(fw, static, set(), visible, kernels=kernels[0])
+        return forward, again(strides)[0]
+    if cores() < 2 or not devices <= {"cpu"} or alongside:
+        return started(both, here=cores() < 2 or not devices <= {"cpu"})
+    fwd = started(wrapper_memory, fw, static, set(), visible, False, None, (), kernels[0])
+    if any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):    # layout optimization
+        return _Both(fwd, started(_backward_memory, fw, bw, static, counted, visible, channels_last, donated,
+                                  kernels[1]), None)
+    return _Both(fwd, started(again, None), (fw, again))
+
+
+class _Both:
+    """The forward's and the backward's readings, running; `guessed`: the backward's was started
+    with the forward's outputs laid out as traced, (forward graph, the backward's reading again)."""
+
+    def __init__(self, fwd, bwd, guessed):
+        self.fwd, self.bwd, self.guessed = fwd, bwd, guessed
+
+    def result(self) -> tuple[GraphMemory, GraphMemory]:
+        (forward, strides), backward = self.fwd.result(), self.bwd.result()
+        if self.guessed is None:
+            return forward, backward[0]
+        fw, again = self.guessed
+        traced = {n.name: tuple(n.meta["val"].stride()) for n in fw.graph.find_nodes(op="output")[0].args[0]
+                  if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+        if any(traced.get(k, v) != v for k, v in strides.items()):
+            return forward, again(strides)[0]
+        return forward, backward[0]
+
+
+def _backward_memory(fw, bw, static, counted, visible, channels_last, donated, kernels) -> tuple[GraphMemory, dict]:
+    """The backward's `wrapper_memory`, its saved inputs restrided as the forward's lowering lays them out."""
+    return wrapper_memory(bw, static, counted, None, channels_last, output_strides(fw, visible), donated, kernels)
+
+
+def output_strides(gm: fx.GraphModule, visible: list[int] | None) -> dict:
+    """Each output's strides as Inductor lays it out, by name (lowering only, no code generated)."""
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    _, _, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible, codegen=False)
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    return {n.name: st for n, st in zip(outs, laid_out) if isinstance(n, fx.Node) and st is not None}
+
+
 def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: list[int] | None,
                    channels_last: bool = False, strides: dict | None = None,
-                   donated: tuple[int, ...] = ()) -> tuple[GraphMemory, dict]:
+                   donated: tuple[int, ...] = (), kernels: list | None = None) -> tuple[GraphMemory, dict]:
     """`gm`'s buffers as Inductor's wrapper allocates and frees them, counted as memory.graph_memory
     counts them (placeholders whose storage is in `counted_inputs` from the start, `held` ones
     never freed, oneDNN's workspace at a channels-last convolution's backward). `visible`: the
     forward's user outputs (by index), None for a backward graph (planner.compat `inductor_wrapper`).
     Returns also each output's strides as Inductor lays it out, by name: a backward graph is given
     its forward's `strides`, as AOTAutograd restrides the saved tensors (layout optimization), and
-    its `donated` inputs (NOTE [ donated buffers ])."""
+    its `donated` inputs (NOTE [ donated buffers ]). `kernels`: `_attention_workspaces(gm)`, found
+    before (None: found here)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     convolutions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
     inputs = [_restrided(n.meta["val"], (strides or {}).get(n.name)) for n in placeholders]
@@ -105,7 +168,8 @@ def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: 
         if isinstance(t, torch.Tensor) and storage_key(t) in counted_inputs:
             live.bind(n.name, storage_key(t), int(t.untyped_storage().nbytes()))
     start = live.now
-    replay(code, sizes, live, [workspace(n) for n in convolutions] if channels_last else [], _attention_workspaces(gm))
+    replay(code, sizes, live, [workspace(n) for n in convolutions] if channels_last else [],
+           _attention_workspaces(gm) if kernels is None else kernels)
     return GraphMemory(start, live.peak, live.now), {
         n.name: st for n, st in zip(outs, laid_out) if isinstance(n, fx.Node) and st is not None}
 

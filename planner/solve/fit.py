@@ -260,7 +260,7 @@ DEFAULT_ROUNDS = 4
 FIRST_SCALE = 1.05
 AFTER_FIT = 1             # solves tried above the first plan that fits (it is rarely bettered twice);
                           # a measure may ask for more (`after_fit`: the compiled step's, runtime.rewrite.compiled)
-CLOSE_ENOUGH = 0.005
+CLOSE_ENOUGH = 0.005      # ... or less (`close_enough`: the compiled step's, NOTE [ the compiled fit ])
 MIN_STEP = 0.002
 ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
 
@@ -301,7 +301,8 @@ def _fit(pb: _Problem) -> Choice:
                 # close enough, unless CBC stopped at a limit (another effective budget may do better:
                 # up by the room left); else nothing cheaper to expect below the corrected bound
                 limited = "limit" in choice.status
-                if pb.measure is None or (budget - predicted < CLOSE_ENOUGH * budget and not limited):
+                close = getattr(pb.measure, "close_enough", CLOSE_ENOUGH)
+                if pb.measure is None or (budget - predicted < close * budget and not limited):
                     break
                 if limited:
                     corrected = max(corrected, effective + budget - predicted)

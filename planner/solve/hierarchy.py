@@ -444,7 +444,7 @@ class HierarchicalSolver:
         if best is None and warm_start and timeline(self.cg, warm_start).peak_bytes <= budget_bytes:
             best = (timeline(self.cg, warm_start).recompute_s, warm_start)
             label += " (no chain fits: from a known plan)"
-        compact = self._polish()
+        compact = self._polish() if opts.polish else None
         if compact is not None:
             sol = _ilp.solve_ilp(self.cg, budget_bytes, replace(opts, improve_evals=0,
                                                                 max_nodes=min(opts.max_nodes, POLISH_NODES)),

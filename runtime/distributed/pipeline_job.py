@@ -12,10 +12,7 @@ prediction is the simulator's, the replay of a schedule runs on the rank itself.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +23,7 @@ from remat.planner.errors import InfeasibleBudgetError
 from remat.planner.options import PipelineRank
 from remat.planner.solve.baselines import every_block
 from remat.planner.solve.simulate import timeline
+from remat.planner.workers import at_once
 
 from ..budget import StepBudget
 from ..rewrite import REGION_PROBE
@@ -116,40 +114,14 @@ def plan_job(model: torch.nn.Module, n_stages: int, schedule: str, n_microbatche
         budget_bytes = max(math.ceil(timeline(g, every_block(g)).peak_bytes * margin) for g in graphs)
     else:
         budget_bytes = StepBudget.of(budget).resolve(max(math.ceil(timeline(g, ()).peak_bytes * margin) for g in graphs))
-    rows = _at_once(_row, [(s, graphs[s], ranks[s], len(stages[s].layers), budget_bytes, options)
+    rows = at_once(_row, [(s, graphs[s], ranks[s], len(stages[s].layers), budget_bytes, options)
                            for s in range(n_stages)])
     return rows, budget_bytes, time.perf_counter() - t0
 
 
-# NOTE [ stages at once ]
-# Each stage's profile and each stage's solve are independent of the other stages', so the job runs
-# them in forked worker processes, one per core, where the platform forks (the plans are the same:
-# each is deterministic and sees only its own stage). What a worker needs reaches it by the fork,
-# not by pickling; it sends back plain data (a cost graph and meta inputs, a StageRow). Its torch
-# work is on meta and fake tensors (no intra-op thread pool a fork could leave locked), its solve
-# pure Python and CBC. The 70B job on 2 cores: the three distinct stages' profiles 13 -> 8 s, the
-# eight solves 12.3 -> 6.5 s.
-_WORK: list[tuple] = []
-
-
-def _work_at(i: int):
-    fn, args = _WORK[i]
-    return fn(*args)
-
-
-def _at_once(fn, calls: list[tuple]) -> list:
-    """`[fn(*args) for args in calls]`, in forked workers where there are several cores and calls."""
-    workers = min(len(calls), os.cpu_count() or 1)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [fn(*args) for args in calls]
-    _WORK[:] = [(fn, args) for args in calls]
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_work_at, range(len(calls))))
-    finally:
-        _WORK.clear()
-
-
+# The distinct stages' profiles, then the stages' solves, run in forked workers, one per core
+# (NOTE [ forked workers ] in planner/workers.py): the 70B job on 2 cores, its three distinct
+# stages' profiles 13 -> 7 s, its eight solves 12.3 -> 6.5 s.
 def _profiled(stage: DecoderStage, x: torch.Tensor, last: bool, options: PlanOptions) -> tuple:
     """A stage's cost graph for one micro-batch, and its named example inputs."""
     a = analyze_for(stage, (x,), {}, None if last else received_grad_loss, replace(options, keep_output=True),
@@ -171,7 +143,7 @@ def _rank_graphs(model, n_stages: int, schedule: str, n_microbatches: int, micro
             x = torch.zeros(microbatch, seq, dtype=torch.long, device="meta") if rank.first else \
                 torch.empty(microbatch, seq, hidden, dtype=dtype, device="meta", requires_grad=True)
             calls[k] = (st, x, rank.last, options)
-    profiled = dict(zip(calls, _at_once(_profiled, list(calls.values()))))
+    profiled = dict(zip(calls, at_once(_profiled, list(calls.values()))))
     return [rank_graph(profiled[k][0], rank, profiled[k][1]) for k, rank in zip(keys, ranks)], ranks, stages
 
 

@@ -22,8 +22,9 @@ import torch.fx as fx
 
 from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
+from remat.planner.solve.fit import USED
 from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
-from remat.planner.compiled.step import CompiledStep, compiled_step
+from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
 
@@ -144,6 +145,7 @@ class CompiledPrediction:
     # the simulator models the eager step: the compiled one (min-cut recomputing cheap ops between
     # regions) departs from it plan by plan, so the budget correction takes more steps
     rounds, after_fit = 8, 3
+    close_enough = 1 - USED         # a plan using the budget as the issue asks ends the search (NOTE [ the compiled fit ])
 
     def __init__(self, replay, compile_kwargs: dict | None = None):
         self.replay = replay                        # the eager ExactReplay of the same analysis
@@ -152,6 +154,19 @@ class CompiledPrediction:
         self.steps: dict[tuple, CompiledStep] = {}
         self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
+        self.started: dict[tuple, object] = {}      # checks running (NOTE [ forked workers ])
+
+    def _partition(self, regions: tuple) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if regions not in self.partitions:
+            self.partitions[regions] = partition(self.joint, decisions(regions, self.replay.names))
+        return self.partitions[regions]
+
+    def start(self, regions) -> None:
+        """The check of `regions` started, to run while this process goes on (in forked workers,
+        where it can: planner.workers); `checked` collects it."""
+        regions = tuple(regions)
+        if regions not in self.started and (regions, True) not in self.steps:
+            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=True)
 
     def step(self, regions, wrapper: bool = False) -> CompiledStep:
         """The plan's compiled step, its buffers modelled, or with `wrapper` checked (NOTE [ the
@@ -159,9 +174,8 @@ class CompiledPrediction:
         regions = tuple(regions)
         if (regions, wrapper) not in self.steps:
             decided = decisions(regions, self.replay.names)
-            if regions not in self.partitions:
-                self.partitions[regions] = partition(self.joint, decided)
-            self.steps[regions, wrapper] = compiled_step(self.joint, decided, wrapper, self.partitions[regions])
+            self.steps[regions, wrapper] = compiled_step(self.joint, decided, wrapper, self._partition(regions),
+                                                         self.started.pop(regions, None) if wrapper else None)
         return self.steps[regions, wrapper]
 
     def module(self, regions, wrapper: bool = False) -> fx.GraphModule:
@@ -182,6 +196,7 @@ class Checked:
 
     what = "the compiled step's own memory plan (Inductor's wrapper, generated without compiling), replayed"
     rounds, after_fit = 6, 1
+    close_enough = 1 - USED
 
     def __init__(self, prediction: CompiledPrediction):
         self.prediction = prediction

@@ -1,0 +1,107 @@
+"""Independent pieces of planning run at once, in forked worker processes (NOTE [ forked workers ]).
+
+`started(fn, *args)` runs one call in a worker and returns a handle whose `result()` waits for it;
+`at_once(fn, calls)` runs several. Where the platform does not fork, the machine has one core,
+or `REMAT_WORKERS=1`, both run the calls in this process, one after another.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import traceback
+
+import torch
+
+# NOTE [ forked workers ]
+# Some of a plan's work is a pure function of data this process already holds: a pipeline job's
+# stage profiles and stage solves (runtime/distributed/pipeline_job.py), compile mode's check of a
+# plan (Inductor's wrapper for the forward and the backward graph, planner/compiled/wrapper.py) and
+# the check of the step without checkpointing, which the fit need not wait for. A worker is
+# forked: what it needs reaches it by the fork, not by pickling, and it sends back plain data.
+# - The plans are the same as one process makes: each call is deterministic and sees only its own
+#   inputs (the machine's core count decides only how many run at once).
+# - A worker first sets one torch thread: a forked child that enters an OpenMP parallel region
+#   the parent used hangs (seen here: a matmul in the parent, one in the child, no answer in
+#   50 s); with one thread it runs none. What depends on the parent's thread count (a kernel's
+#   measured workspace) is found in the parent, before the fork.
+# - Only for work on CPU, meta and fake tensors: a forked child cannot use CUDA.
+# - An exception in a worker is raised again here, with the worker's traceback in its notes.
+
+FORK = "fork" in multiprocessing.get_all_start_methods()
+
+
+def cores() -> int:
+    """The cores this process may run on (0: the calls run here, one after another)."""
+    if not FORK or os.environ.get("REMAT_WORKERS") == "1":
+        return 0
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return n if n > 1 else 0
+
+
+def _child(send, fn, args) -> None:
+    torch.set_num_threads(1)
+    try:
+        out = (True, fn(*args))
+    except BaseException as e:                # noqa: BLE001  (raised again in the parent)
+        out = (False, (e, traceback.format_exc()))
+    try:
+        send.send(out)
+    except Exception as e:                    # an unpicklable result or exception
+        send.send((False, (RuntimeError(f"{type(e).__name__}: {e}"), traceback.format_exc())))
+    send.close()
+
+
+class Started:
+    """One call, running in a forked worker (or already done here: `REMAT_WORKERS=1`, no fork)."""
+
+    def __init__(self, fn, *args, here: bool = False):
+        self._done = None
+        if here or not cores():
+            self._done = (True, fn(*args))
+            return
+        ctx = multiprocessing.get_context("fork")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+        self._proc.start()
+        send.close()
+
+    def result(self):
+        if self._done is None:
+            try:
+                self._done = self._recv.recv()
+            except EOFError:
+                self._proc.join()
+                self._done = (False, (RuntimeError(f"a planning worker died (exit code {self._proc.exitcode})"), ""))
+            self._recv.close()
+            self._proc.join()
+        ok, value = self._done
+        if ok:
+            return value
+        e, where = value
+        if where:
+            e.add_note(f"in a planning worker (remat.planner.workers):\n{where}")
+        raise e
+
+
+def started(fn, *args, here: bool = False) -> Started:
+    """`fn(*args)` running in a forked worker; `.result()` waits for it. `here`: run it now, in
+    this process (work a fork cannot take: on CUDA)."""
+    return Started(fn, *args, here=here)
+
+
+def at_once(fn, calls: list[tuple]) -> list:
+    """`[fn(*args) for args in calls]`, `cores()` of them running at a time (the next one starts
+    as soon as any finishes)."""
+    n = cores()
+    if n < 2 or len(calls) < 2:
+        return [fn(*args) for args in calls]
+    out: dict[int, object] = {}
+    running: dict[int, Started] = {}
+    for i, args in enumerate(calls):
+        running[i] = started(fn, *args)
+        while len(running) >= n or (i == len(calls) - 1 and running):
+            ready = multiprocessing.connection.wait([r._recv for r in running.values()])
+            for j in [j for j, r in running.items() if r._recv in ready]:
+                out[j] = running.pop(j).result()
+    return [out[i] for i in range(len(calls))]
