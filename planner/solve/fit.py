@@ -267,7 +267,7 @@ ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the 
 
 def _fit(pb: _Problem) -> Choice:
     """Solve against an effective budget, correct it by the exact replay, keep the cheapest fit."""
-    budget = pb.budget
+    budget, close = pb.budget, getattr(pb.measure, "close_enough", CLOSE_ENOUGH)
     best: tuple[float, Choice] | None = None
     effective = budget
     if pb.measure is not None:
@@ -301,7 +301,6 @@ def _fit(pb: _Problem) -> Choice:
                 # close enough, unless CBC stopped at a limit (another effective budget may do better:
                 # up by the room left); else nothing cheaper to expect below the corrected bound
                 limited = "limit" in choice.status
-                close = getattr(pb.measure, "close_enough", CLOSE_ENOUGH)
                 if pb.measure is None or (budget - predicted < close * budget and not limited):
                     break
                 if limited:
