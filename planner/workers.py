@@ -66,6 +66,11 @@ class Started:
         self._proc.start()
         send.close()
 
+    def __del__(self):               # a call no one waited for (the caller raised): no worker left behind
+        if self._done is None and getattr(self, "_proc", None) is not None:
+            self._proc.kill()
+            self._proc.join()
+
     def result(self):
         if self._done is None:
             try:

@@ -252,7 +252,11 @@ def test_a_whole_pipeline_job_is_planned_from_one_process(tmp_path, capsys):
     from remat.runtime.cli.session import hf_config_model
     from remat.runtime.distributed.pipeline_job import plan_job
     model = hf_config_model(_llama_config(tmp_path / "config.json", 8), 1, 128, "bf16").model
-    rows, budget, _ = plan_job(model, 4, "1f1b", 8, 1, 128, options=PlanOptions(solve=SolveOptions(improve_evals=1000)))
+    options = PlanOptions(solve=SolveOptions(improve_evals=1000))
+    rows, budget, _ = plan_job(model, 4, "1f1b", 8, 1, 128, options=options)
+    with pytest.MonkeyPatch.context() as mp:         # the stages in this process (NOTE [ forked workers ])
+        mp.setenv("REMAT_WORKERS", "1")
+        assert plan_job(model, 4, "1f1b", 8, 1, 128, options=options)[:2] == (rows, budget)
     assert [r.in_flight for r in rows] == [4, 3, 2, 1] and [r.layers for r in rows] == [2, 2, 2, 2]
     assert max(r.uniform_bytes for r in rows) == budget
     for r in rows:

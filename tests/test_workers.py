@@ -1,0 +1,106 @@
+"""planner/workers.py: independent pieces of planning in forked workers (NOTE [ forked workers ]).
+The calling process is the oracle: what a worker returns equals what the call returns here."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from remat.planner import workers
+from remat.planner.workers import at_once, cores, started
+
+needs_fork = pytest.mark.skipif(not workers.FORK or (os.cpu_count() or 1) < 2, reason="no fork or one core")
+
+
+def _square_and_pid(x: int) -> tuple[int, int]:
+    return x * x, os.getpid()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _fails(x: int):
+    raise ValueError(f"bad {x}")
+
+
+def _unpicklable():
+    return lambda: None
+
+
+@needs_fork
+def test_at_once_returns_each_calls_result_in_order_from_other_processes(monkeypatch):
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    got = at_once(_square_and_pid, [(i,) for i in range(7)])
+    assert [v for v, _ in got] == [i * i for i in range(7)]
+    assert os.getpid() not in {pid for _, pid in got}
+
+
+def test_remat_workers_1_runs_every_call_here(monkeypatch):
+    monkeypatch.setenv("REMAT_WORKERS", "1")
+    assert cores() == 0
+    assert {pid for _, pid in at_once(_square_and_pid, [(i,) for i in range(3)])} == {os.getpid()}
+    assert started(_square_and_pid, 3).result() == (9, os.getpid())
+
+
+@needs_fork
+def test_a_worker_runs_one_torch_thread_and_the_caller_keeps_its_own(monkeypatch):
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    before = torch.get_num_threads()
+    assert started(_threads).result() == 1
+    assert torch.get_num_threads() == before
+
+
+@needs_fork
+def test_a_workers_exception_is_raised_here_with_its_traceback(monkeypatch):
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    with pytest.raises(ValueError, match="bad 3") as e:
+        at_once(_fails, [(3,), (4,)])
+    assert any("planning worker" in n for n in getattr(e.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="pickl|Pickl|attribute"):
+        started(_unpicklable).result()
+
+
+@needs_fork
+def test_a_worker_after_the_caller_ran_openmp_does_not_hang(monkeypatch):
+    """The parent's OpenMP pool used, then a real op in the worker (NOTE [ forked workers ]: with
+    the parent's thread count a forked child entering a parallel region hangs)."""
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(4096, 1024).exp().sum()
+        running = started(lambda: float(torch.ones(4096, 1024).exp().sum()))
+        assert running._recv.poll(120), "the worker hung"
+        assert running.result() == pytest.approx(float(torch.ones(4096, 1024).exp().sum()))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@needs_fork
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch):
+    """A plan's check (Inductor's wrappers of both graphs: the GPT's backward started with the saved
+    tensors as traced, the ResNet's after lowering its forward, whose layout optimization moves
+    them) and the unplanned step's check beside the caller, each equal to the same checks made one
+    after the other in this process, to the byte."""
+    from remat.planner.api import analyze
+    from remat.planner.solve.baselines import every_block
+    from remat.runtime import examples
+    from remat.runtime.planning import ExactReplay, compiled_measure
+    ex = examples.gpt2(n_layer=2) if name == "gpt2" else examples.resnet()
+    a = analyze(ex.model, ex.inputs, {}, ex.loss_fn)
+    prediction = compiled_measure(ExactReplay(ex.model, a, ex.loss_fn), {}).compiled
+    plan = every_block(a.cost_graph)
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    prediction.start(())
+    forked = prediction.checked(()), prediction.checked(plan), prediction.step(plan, wrapper=True)
+    prediction.checks.clear()
+    prediction.steps = {k: v for k, v in prediction.steps.items() if not k[1]}
+    monkeypatch.setenv("REMAT_WORKERS", "1")
+    here = prediction.checked(()), prediction.checked(plan), prediction.step(plan, wrapper=True)
+    assert forked[:2] == here[:2] and forked[0] > forked[1] > 0
+    assert (forked[2].forward, forked[2].backward) == (here[2].forward, here[2].backward)
