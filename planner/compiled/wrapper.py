@@ -102,11 +102,13 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
                if isinstance(t := n.meta.get("val"), torch.Tensor)}
     again = functools.partial(wrapper_memory, bw, static, counted, None, channels_last, donated=donated,
                               kernels=kernels[1])
+
     def both():
         forward, strides = wrapper_memory(fw, static, set(), visible, kernels=kernels[0])
         return forward, again(strides)[0]
-    if cores() < 2 or not devices <= {"cpu"} or alongside:
-        return started(both, here=cores() < 2 or not devices <= {"cpu"})
+    here = cores() < 2 or not devices <= {"cpu"}
+    if here or alongside:
+        return started(both, here=here)
     fwd = started(wrapper_memory, fw, static, set(), visible, False, None, (), kernels[0])
     if any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):    # layout optimization
         return _Both(fwd, started(_backward_memory, fw, bw, static, counted, visible, channels_last, donated,
