@@ -71,7 +71,8 @@ class Started:
             self._proc.kill()
             self._proc.join()
 
-    def result(self):
+    def wait(self) -> "Started":
+        """Wait for the worker's answer without raising what it raised (`result()` raises it)."""
         if self._done is None:
             try:
                 self._done = self._recv.recv()
@@ -80,7 +81,10 @@ class Started:
                 self._done = (False, (RuntimeError(f"a planning worker died (exit code {self._proc.exitcode})"), ""))
             self._recv.close()
             self._proc.join()
-        ok, value = self._done
+        return self
+
+    def result(self):
+        ok, value = self.wait()._done
         if ok:
             return value
         e, where = value
@@ -97,16 +101,17 @@ def started(fn, *args, here: bool = False) -> Started:
 
 def at_once(fn, calls: list[tuple]) -> list:
     """`[fn(*args) for args in calls]`, `cores()` of them running at a time (the next one starts
-    as soon as any finishes)."""
+    as soon as any finishes). Where calls fail, the first failing call in order raises, as in
+    one process (whichever worker happens to finish first)."""
     n = cores()
     if n < 2 or len(calls) < 2:
         return [fn(*args) for args in calls]
-    out: dict[int, object] = {}
+    out: dict[int, Started] = {}
     running: dict[int, Started] = {}
     for i, args in enumerate(calls):
         running[i] = started(fn, *args)
         while len(running) >= n or (i == len(calls) - 1 and running):
             ready = multiprocessing.connection.wait([r._recv for r in running.values()])
             for j in [j for j, r in running.items() if r._recv in ready]:
-                out[j] = running.pop(j).result()
-    return [out[i] for i in range(len(calls))]
+                out[j] = running.pop(j).wait()
+    return [out[i].result() for i in range(len(calls))]

@@ -3,6 +3,7 @@ The calling process is the oracle: what a worker returns equals what the call re
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _fails(x: int):
+def _fails(x: int, after: float = 0.0):
+    time.sleep(after)
     raise ValueError(f"bad {x}")
 
 
@@ -55,8 +57,8 @@ def test_a_worker_runs_one_torch_thread_and_the_caller_keeps_its_own(monkeypatch
 @needs_fork
 def test_a_workers_exception_is_raised_here_with_its_traceback(monkeypatch):
     monkeypatch.delenv("REMAT_WORKERS", raising=False)
-    with pytest.raises(ValueError, match="bad 3") as e:
-        at_once(_fails, [(3,), (4,)])
+    with pytest.raises(ValueError, match="bad 3") as e:     # the first failing call, not the first to fail
+        at_once(_fails, [(3, 0.5), (4,)])
     assert any("planning worker" in n for n in getattr(e.value, "__notes__", []))
     with pytest.raises(RuntimeError, match="pickl|Pickl|attribute"):
         started(_unpicklable).result()
