@@ -17,8 +17,8 @@ first). Timings are this machine's (2 shared cores): a ratio in one run.
 Regenerate the results file on an idle machine (every schedule, and the 70B job):
 `python benchmarks/pipeline.py --steps 6 --job --out benchmarks/results/pipeline.md`.
 
-With `--fsdp`, it runs PP x FSDP2 instead (benchmarks/pipeline_fsdp_run.py: 4 gloo ranks, 2 stages
-x 2 data-parallel ranks, GPipe and 1F1B, the same comparison) and writes only its section of the
+With `--fsdp`, it runs PP x FSDP2 instead (benchmarks/pipeline_fsdp_run.py: 4 gloo ranks, 2 pipeline
+x 2 data-parallel ranks, GPipe, 1F1B and Interleaved1F1B, the same comparison) and writes only its section of the
 results file: `python benchmarks/pipeline.py --fsdp --steps 6 --out benchmarks/results/pipeline.md`
 (a run without it keeps that section).
 
@@ -100,36 +100,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-# ---- PP x FSDP2: 2 stages x 2 data-parallel ranks (benchmarks/pipeline_fsdp_run.py) ---------------
+# ---- PP x FSDP2: 2 pipeline x 2 data-parallel ranks (benchmarks/pipeline_fsdp_run.py) ------------
 
-FSDP_HEADING = "## PP x FSDP2: 2 stages x 2 data-parallel ranks"
+FSDP_HEADING = "## PP x FSDP2: 2 pipeline x 2 data-parallel ranks"
+FSDP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def compare_fsdp(schedule: str, steps: int) -> list[dict]:
-    """One row per rank of the 4 (stage r // 2, data-parallel rank r % 2): the per-block policy and
-    remat at the per-block policy's largest per-rank peak, each peak the steady steps' (`steady`)."""
+    """One row per rank of the 4 (pipeline rank r // 2, data-parallel rank r % 2): the per-block
+    policy and remat at the per-block policy's largest per-rank peak (live storages or the
+    allocator's, the larger), each peak the steady steps' (`steady`)."""
     from benchmarks.pipeline_fsdp_run import config as fconfig, run_many as frun, steady
     uniform, unplanned = frun([fconfig(schedule, checkpoint_blocks=True, steps=steps), fconfig(schedule, steps=steps)])
-    budget = max(steady(r["peaks"]) for r in uniform)
+    # its peak as the allocator reads it too: gloo's staging copies, below the dispatcher, count (remat counts them)
+    budget = max(max(steady(r["peaks"]), steady(r["allocator"])) for r in uniform)
     planned = frun([fconfig(schedule, plan=True, budget=budget, steps=steps)])[0]
-    return [dict(schedule=schedule, rank=p["rank"], stage=p["stage"], budget=budget, unplanned=steady(n["peaks"]),
+    return [dict(schedule=schedule, rank=p["rank"], pp=p["rank"] // 2, budget=budget, unplanned=steady(n["peaks"]),
                  uniform=steady(u["peaks"]), measured=steady(p["peaks"]), allocator=steady(p["allocator"]),
                  predicted=p["predicted_peak_bytes"], regions=len(p["regions"]), extra=p["extra_compute"],
-                 uniform_extra=uniform_extra(schedule, p["stage"]), plan_s=p["plan_seconds"])
+                 uniform_extra=uniform_extra(schedule, p["rank"] // 2), plan_s=p["plan_seconds"])
             for u, n, p in zip(uniform, unplanned, planned)]
 
 
 def fsdp_section(rows: list[dict], steps: int, seconds: float) -> str:
-    head = ("| schedule | rank | stage | budget B | unplanned B | per-block B | remat measured B | remat predicted B | "
+    head = ("| schedule | rank | pp rank | budget B | unplanned B | per-block B | remat measured B | remat predicted B | "
             "remat allocator B | regions | remat extra compute | per-block extra compute | plan s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        out.append(f"| {r['schedule']} | {r['rank']} | {r['stage']} | {r['budget']} | {r['unplanned']} | "
+        out.append(f"| {r['schedule']} | {r['rank']} | {r['pp']} | {r['budget']} | {r['unplanned']} | "
                    f"{r['uniform']} | {r['measured']} | {r['predicted']} | {r['allocator']} | {r['regions']} | "
                    f"{r['extra']:.1f}% | {r['uniform_extra']:.1f}% | {r['plan_s']:.1f} |")
-    return (f"\n{FSDP_HEADING}\n\n4 gloo ranks, a 2 x 2 mesh (\"pp\", \"dp\"): the same GPT in 2 stages, each "
-            f"stage's blocks and module under fully_shard over \"dp\", each data-parallel rank its own 4 "
-            f"micro-batches. Peaks: the steps after the first, their median ({steps} steps a run), live storages; "
+    return (f"\n{FSDP_HEADING}\n\n4 gloo ranks, a 2 x 2 mesh (\"pp\", \"dp\"): the same GPT in 2 stages (interleaved: "
+            f"4 of one block, stages r and r + 2 on pipeline rank r), each stage's blocks and module under "
+            f"fully_shard over \"dp\", each data-parallel rank its own 4 micro-batches; budget: the per-block policy's "
+            f"largest per-rank peak, live storages or the allocator's, the larger. Peaks: the steps after the first, their median ({steps} steps a run), live storages; "
             f"\"allocator\": the CPU allocator's, which also sees gloo's staging copies and the kernels' "
             f"temporaries below the dispatcher. `python benchmarks/pipeline.py --fsdp --steps {steps}` "
             f"({seconds:.0f} s).\n\n" + "\n".join(out) + "\n")
@@ -174,8 +178,8 @@ def main(argv=None) -> int:
                          "planned together)")
     ap.add_argument("--out", default=None, help="write the results markdown here")
     ap.add_argument("--job", action="store_true", help="also plan the 70B job from this process")
-    ap.add_argument("--fsdp", action="store_true", help="only PP x FSDP2 (4 gloo ranks, GPipe and 1F1B): its section "
-                    "of --out is written, the rest of the file kept")
+    ap.add_argument("--fsdp", action="store_true", help="only PP x FSDP2 (4 gloo ranks; GPipe, 1F1B, Interleaved1F1B): "
+                    "its section of --out is written, the rest of the file kept")
     a = ap.parse_args(argv)
     if a.fsdp:
         return main_fsdp(a)
@@ -213,7 +217,7 @@ def section_of(path: str, heading: str) -> str:
 
 def main_fsdp(a) -> int:
     t0 = time.perf_counter()
-    rows = [r for s in ("gpipe", "1f1b") for r in compare_fsdp(s, a.steps)]
+    rows = [r for s in FSDP_SCHEDULES for r in compare_fsdp(s, a.steps)]
     section = fsdp_section(rows, a.steps, time.perf_counter() - t0)
     print(section)
     if a.out:

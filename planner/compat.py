@@ -151,19 +151,22 @@ def schedule_microbatches(schedule) -> int:
     return int(schedule._n_microbatches)
 
 
-def schedule_rank_order(schedule) -> tuple[tuple[str, int, int], ...] | None:
+def schedule_rank_order(schedule, fsdp: bool = False) -> tuple[tuple[str, int, int | None], ...] | None:
     """The computations a multi-stage schedule (`_PipelineScheduleRuntime`: interleaved 1F1B,
     looped BFS, zero bubble, DualPipeV) runs on this rank, in its order: (kind, stage index,
     micro-batch), kind "F" (forward), "B" (full backward), "I" / "W" (backward split into its
     input and weight parts), sends and receives left out; the list `_step_microbatches` walks
-    (`pipeline_order_with_comms`). None for a one-stage schedule."""
+    (`pipeline_order_with_comms`). With `fsdp`, also the actions its lowering adds for stages
+    under FSDP2 (`_add_unshard_reshard`, `_add_reduce_grad`): "UNSHARD", "RESHARD" and
+    "REDUCE_GRAD", micro-batch None. None for a one-stage schedule."""
     order = getattr(schedule, "pipeline_order_with_comms", None)
     if not order:
         return None
+    kinds = ("F", "B", "I", "W") + (("UNSHARD", "RESHARD", "REDUCE_GRAD") if fsdp else ())
     out = []
     for a in order[schedule.rank]:
         for c in (a.sub_actions or ()) if a.computation_type.value == "OVERLAP_F_B" else (a,):
-            if c.computation_type.value in ("F", "B", "I", "W"):
+            if c.computation_type.value in kinds:
                 out.append((c.computation_type.value, c.stage_index, c.microbatch_index))
     return tuple(out)
 

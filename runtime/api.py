@@ -366,7 +366,7 @@ def pipeline_stage(model: torch.nn.Module, schedule, options: PlanOptions, examp
 
 
 def _pipeline_checks(model: torch.nn.Module, example_inputs, example_kwargs, compile, fsdp: bool = False) -> None:
-    """A stage planned up front, eager; under FSDP2 only where `fsdp` (one stage a rank), never under DDP."""
+    """A stage planned up front, eager; under FSDP2 only where `fsdp` (every stage of the rank), never under DDP."""
     if example_inputs is None and example_kwargs is None:
         raise ValueError("a pipeline stage is planned up front: pass example_inputs (one micro-batch's inputs "
                          "of this stage)")
@@ -374,8 +374,8 @@ def _pipeline_checks(model: torch.nn.Module, example_inputs, example_kwargs, com
         raise pipeline.PipelineScheduleError("a pipeline stage is planned eager so far: plan it without compile=")
     if not fsdp and distributed.engine(model) is not None:
         raise pipeline.PipelineScheduleError(
-            "a pipeline stage under DDP, or under FSDP2 on a rank of several stages, is not planned yet: FSDP2 "
-            "is planned for one stage a rank (ScheduleGPipe, Schedule1F1B); plan the others before fully_shard/DDP")
+            "a pipeline stage under DDP, or a rank whose stages are not all under FSDP2, is not planned yet: plan "
+            "it before DDP, or shard every stage of the rank with fully_shard")
 
 
 def pipeline_rank(model: torch.nn.Module, schedule, budget: Budget, example_inputs, example_kwargs, loss_fn,
@@ -385,6 +385,13 @@ def pipeline_rank(model: torch.nn.Module, schedule, budget: Budget, example_inpu
     (runtime/distributed/interleaved.py), each plan installed in its own module; returns `model`.
     `example_inputs` are `model`'s; `loss_fn` is the last stage's, if the rank holds it."""
     rs = pipeline.rank_stages(schedule, model)
+    engines = {distributed.engine(st.submod) for st in rs.stages}
+    if engines == {"fsdp"}:      # every stage under FSDP2 (runtime/distributed/interleaved_fsdp.py)
+        from .distributed import interleaved_fsdp
+        for st in rs.stages:
+            _pipeline_checks(st.submod, example_inputs, example_kwargs, compile, fsdp=True)
+        return interleaved_fsdp.wrap_rank(model, schedule, budget, tuple(example_inputs or ()),
+                                          dict(example_kwargs or {}), loss_fn, options, optimizer)
     settings = interleaved.stage_settings(rs, model, tuple(example_inputs or ()), dict(example_kwargs or {}),
                                           loss_fn, options)
     for s in settings:

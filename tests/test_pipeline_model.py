@@ -203,20 +203,20 @@ def test_the_docs_table_is_the_benchmarks_current_file():
     """docs/pipeline.md's tables are benchmarks/pipeline.py's output (benchmarks/results/pipeline.md):
     every row's bytes and extra compute are the results file's, row for row, and every row of the
     results file (GPipe, 1F1B, Interleaved, Zero-bubble, ZBV, DualPipeV: the schedules it was run
-    with) is shown; under FSDP2 (`--fsdp`: 4 ranks, 2 a stage), one row a stage, whose two
-    data-parallel ranks' rows in the results file are alike."""
+    with) is shown; under FSDP2 (`--fsdp`: 4 ranks, 2 pipeline x 2 data-parallel), one row a
+    pipeline rank, whose two data-parallel ranks' rows in the results file are alike."""
     import pathlib
     import re
     root = pathlib.Path(__file__).resolve().parents[1]
     docs = (root / "docs" / "pipeline.md").read_text()
     results = (root / "benchmarks" / "results" / "pipeline.md").read_text()
-    fsdp_heading = "## PP x FSDP2: 2 stages x 2 data-parallel ranks"
+    fsdp_heading = "## PP x FSDP2: 2 pipeline x 2 data-parallel ranks"
     main = results.replace(_section(results, fsdp_heading), "")
     rows = {(m[0].lower(), m[1]): m[2:] for m in re.findall(
         r"^\| ([\w-]+) \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| ([\d.]+%) \| ([\d.]+%) \|",
         main, re.M)}
     fsdp = {}
-    for m in re.findall(r"^\| (gpipe|1f1b) \| \d \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| "
+    for m in re.findall(r"^\| (gpipe|1f1b|interleaved) \| \d \| (\d) \| (\d+) \| \d+ \| (\d+) \| (\d+) \| (\d+) \| \d+ \| \d+ \| "
                         r"([\d.]+%) \| ([\d.]+%) \|", _section(results, fsdp_heading), re.M):
         assert fsdp.setdefault((m[0], m[1]), m[2:]) == m[2:], m        # a stage's two ranks alike
     row = (r"^\| (GPipe|1F1B|Interleaved|Zero-bubble|ZBV|DualPipeV) \| (\d) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| "

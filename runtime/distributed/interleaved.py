@@ -120,6 +120,22 @@ class RankReplay:
         self.traces: dict[tuple, StageTrace] = {}     # (stage, regions) -> its trace
         self.seconds = 0.0
 
+    def graph(self, i: int):
+        """The solver's model of stage i alone (rank_graph: its micro-batches in flight)."""
+        r = self.stages[i]
+        return rank_graph(r.analysis.cost_graph, r.pipeline, r.analysis.example_inputs)
+
+    def _step(self, i: int, gm) -> StageStep:
+        r = self.stages[i]
+        return StageStep(gm, r.analysis.example_inputs, r.loss_fn, r.pipeline, r.opaque, r.analysis.opaque_examples)
+
+    def _optimizer(self, which: list[int]) -> tuple[int | None, int]:
+        """(the rank's optimizer step's temporaries, None without one; what is held all step): each
+        stage's analysis holds the one optimizer's whole state and step."""
+        steps = [self.stages[i].analysis.cost_graph.optimizer_step_bytes for i in which]
+        step = max(s or 0 for s in steps) if any(s is not None for s in steps) else None
+        return step, max(self.stages[i].facts.held_throughout_bytes for i in which)
+
     def _trace(self, i: int, regions: tuple) -> StageTrace:
         if (i, regions) not in self.traces:
             t0 = time.perf_counter()
@@ -127,8 +143,7 @@ class RankReplay:
             a = r.analysis
             with training_modes(r.model):       # the step planned is a training step (planner.step.state)
                 gm = rewrite(r.model, a.traced.gm, regions, r.names, r.facts, r.opaque)
-                step = StageStep(gm, a.example_inputs, r.loss_fn, r.pipeline, r.opaque, a.opaque_examples)
-                self.traces[i, regions] = stage_trace(step)
+                self.traces[i, regions] = stage_trace(self._step(i, gm))
             self.seconds += time.perf_counter() - t0
         return self.traces[i, regions]
 
@@ -137,11 +152,8 @@ class RankReplay:
         pos = {i: n for n, i in enumerate(which)}
         handovers = tuple((pos[a], pos[b]) for a, b in self.handovers if a in pos and b in pos)
         peak, end = rank_step_peak(traces, tuple((k, pos[i], m) for k, i, m in self.order if i in pos), handovers)
-        # the one optimizer over the rank's stages: each stage's analysis holds its whole state and step
-        steps = [self.stages[i].analysis.cost_graph.optimizer_step_bytes for i in which]
-        step = max(s or 0 for s in steps)
-        held = max(self.stages[i].facts.held_throughout_bytes for i in which)
-        return max(peak, end + step if any(s is not None for s in steps) else end) + held
+        step, held = self._optimizer(which)
+        return max(peak, end + step if step is not None else end) + held
 
     def __call__(self, regions: tuple) -> int:
         return self._peak(list(range(len(self.stages))), regions)
@@ -172,7 +184,7 @@ def _stage_plan(replay: RankReplay, a: Analysis, s: StageSetting, i: int, region
                 budget_bytes: int) -> Plan | None:
     """Stage i's plan given the others' current ones; when none fits, its plan at the floor the
     refusal names, so that the others are planned around its least (None if that does not fit)."""
-    cg = rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs)
+    cg = replay.graph(i)
     cg = replace(cg, fixed_bytes=cg.fixed_bytes + _others_bytes(replay, i, regions))
     measure = StageMeasure(replay, i, regions)
     try:
@@ -186,6 +198,15 @@ def _stage_plan(replay: RankReplay, a: Analysis, s: StageSetting, i: int, region
         except InfeasibleBudgetError:
             pass
     return None
+
+
+def _better(replay: RankReplay, graphs: list, regions: list, i: int, p: Plan, budget_bytes: int) -> bool:
+    """Whether stage i's plan `p` recomputes less than its current one and keeps the rank within
+    the budget (a stage's solve can return a plan the rank's replay does not fit: the least-peak
+    plan of a budget it refused, or one its budget correction's rounds left just over)."""
+    if p.recompute_s >= timeline(graphs[i], tuple(regions[i])).recompute_s:
+        return False
+    return replay(tuple(tuple(p.regions) if j == i else r for j, r in enumerate(regions))) <= budget_bytes
 
 
 class Reached(NamedTuple):
@@ -222,7 +243,8 @@ def _descend(replay: RankReplay, analyses: list, settings: list, graphs: list, s
              budget_bytes: int) -> Reached:
     """NOTE [ several stages, one budget ]'s rounds from `start`: each stage solved given the
     others' current plans, its new plan taken while the rank does not fit yet, and once it fits
-    only when cheaper (the extra compute never rises from a start that fits)."""
+    only when cheaper and the rank still fits with it (from a start that fits, the extra compute
+    never rises and the rank never stops fitting)."""
     regions, plans = list(start), [None] * len(start)
     given: list = [None] * len(start)        # the plans each stage was last solved given: none changed since, no solve
     for rounds in range(1, MAX_ROUNDS + 1):
@@ -231,8 +253,8 @@ def _descend(replay: RankReplay, analyses: list, settings: list, graphs: list, s
             if given[i] == regions:
                 continue
             given[i], p = list(regions), _stage_plan(replay, analyses[i], settings[i], i, regions, budget_bytes)
-            fits = replay(tuple(regions)) <= budget_bytes
-            if p is None or (fits and p.recompute_s >= timeline(graphs[i], tuple(regions[i])).recompute_s):
+            if p is None or (replay(tuple(regions)) <= budget_bytes and not _better(replay, graphs, regions, i, p,
+                                                                                  budget_bytes)):
                 continue
             changed |= p.regions != regions[i]
             plans[i], regions[i] = p, tuple(p.regions)
@@ -268,7 +290,7 @@ def plan_rank(settings: list[StageSetting], order: tuple, budget: StepBudget,
 def plan_replayed(replay: RankReplay, settings: list[StageSetting], budget: StepBudget) -> list[Plan]:
     """`plan_rank` on the stages' analyses as `replay` holds them (its replays kept and reused)."""
     analyses = [r.analysis for r in replay.stages]
-    graphs = [rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs) for s, a in zip(settings, analyses)]
+    graphs = [replay.graph(i) for i in range(len(settings))]
     k = len(settings)
     budget_bytes = budget.resolve(replay(((),) * k))
     uniform = tuple(uniform_regions(a.cost_graph) for a in analyses)

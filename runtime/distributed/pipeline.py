@@ -102,12 +102,15 @@ def rank_of(schedule, stage_module: torch.nn.Module) -> PipelineRank:
 class RankStages(NamedTuple):
     """A rank that runs several stages of a multi-stage schedule (interleaved 1F1B), as
     `rank_stages` reads it: its PipelineStages by stage index, each one's part (PipelineRank), the
-    rank's order as ("F" or "B", position in `stages`, micro-batch), and the handovers of a V-shaped
-    schedule's adjacent stages ((a, b): positions, stage b the one after stage a: NOTE [ a V's handover ])."""
+    rank's order as ("F" or "B", position in `stages`, micro-batch), the handovers of a V-shaped
+    schedule's adjacent stages ((a, b): positions, stage b the one after stage a: NOTE [ a V's handover ]),
+    and the order with the actions the runtime adds for stages under FSDP2 ("UNSHARD", "RESHARD",
+    "REDUCE_GRAD": NOTE [ stages under FSDP2 on one rank ] in interleaved_fsdp.py)."""
     stages: tuple
     ranks: tuple[PipelineRank, ...]
     order: tuple[tuple[str, int, int], ...]
     handovers: tuple[tuple[int, int], ...] = ()
+    fsdp_order: tuple[tuple[str, int, int | None], ...] = ()
 
 
 def runs_several(schedule) -> bool:
@@ -138,7 +141,8 @@ def rank_stages(schedule, stage_module: torch.nn.Module) -> RankStages:
                                     "are apart")
     n, n_stages = schedule_microbatches(schedule), stages[0].num_stages
     ranks = tuple(PipelineRank.of_rank_order(order, st.stage_index, n_stages, n) for st in stages)
-    return RankStages(stages, ranks, tuple((kind, index[s], m) for kind, s, m in order), handovers)
+    fsdp_order = tuple((kind, index[s], m) for kind, s, m in schedule_rank_order(schedule, fsdp=True))
+    return RankStages(stages, ranks, tuple((kind, index[s], m) for kind, s, m in order), handovers, fsdp_order)
 
 
 def stage_inputs(args: tuple, kwargs: dict, rank: PipelineRank) -> tuple[tuple, dict]:
@@ -323,7 +327,8 @@ class StageTrace(NamedTuple):
 
 
 def stage_trace(step: StageStep) -> StageTrace:
-    """The stage's actions (`step.rank.actions`) replayed on fake tensors, metered one by one."""
+    """The stage's actions (`step.rank.actions`) replayed on fake tensors, metered one by one; a
+    stage under FSDP2 on a rank of several, the runtime's actions for it too (`FsdpStage.actions`)."""
     overlay = step.fsdp.marked(step.gm) if step.fsdp is not None else None
 
     def run(meta: bool) -> StageTrace:
@@ -333,15 +338,11 @@ def stage_trace(step: StageStep) -> StageTrace:
                 shapes = [(t.shape, t.dtype) for t in tensors(step.gm(**fake.inputs)) if t.is_floating_point()]
             with LiveBytes(baseline=fake.fixed, known=fake.made_from) as meter, step_held():
                 stage = _Rank(step.gm, fake, fake.inputs, step.loss_fn, step.rank, meter)
-                calls = [functools.partial(stage.start, shapes)]
-                run = {"F": stage.forward, "B": stage.backward, "I": stage.input_backward, "W": stage.weight_backward}
-                calls += [functools.partial(run[kind], m) for kind, m in step.rank.actions]
-                finish = stage.finish
-                if overlay is not None:     # the parameters as the rank holds them; its gradients reduced at the end
+                if overlay is not None:     # the parameters as the rank holds them
                     overlay.start(meter)
-                    finish = functools.partial(_then, overlay.finish, stage.finish)
+                calls = [functools.partial(stage.start, shapes)] + _calls(stage, overlay, step)
                 before, peaks, levels = meter.live_bytes, [], []
-                for call in calls + [finish]:
+                for call in calls:
                     meter.reset_peak()
                     call()
                     peaks.append(meter.peak_bytes - meter.read_bytes)
@@ -351,6 +352,21 @@ def stage_trace(step: StageStep) -> StageTrace:
                 return StageTrace(before, tuple(peaks), tuple(levels), meter.read_bytes + stage.loss_reads,
                                   0 if step.rank.first else received)
     return meta_first(step.gm, step.kwargs, run)
+
+
+def _calls(stage: _Rank, overlay, step: StageStep) -> list:
+    """The stage's actions and its finish, as calls: under FSDP2 its gradients reduced at the end
+    (one stage a rank) or where the runtime's REDUCE_GRAD runs (several: `FsdpStage.actions`, each
+    computation first waiting for an UNSHARD's all-gathers)."""
+    run = {"F": stage.forward, "B": stage.backward, "I": stage.input_backward, "W": stage.weight_backward}
+    if overlay is None:
+        return [functools.partial(run[kind], m) for kind, m in step.rank.actions] + [stage.finish]
+    if not step.fsdp.actions:
+        return ([functools.partial(run[kind], m) for kind, m in step.rank.actions]
+                + [functools.partial(_then, overlay.finish, stage.finish)])
+    runtime = {"UNSHARD": overlay.unshard, "RESHARD": overlay.reshard, "REDUCE_GRAD": overlay.finish}
+    return [runtime[kind] if kind in runtime else functools.partial(_then, overlay.wait, functools.partial(run[kind], m))
+            for kind, m in step.fsdp.actions] + [stage.finish]
 
 
 def _then(*calls) -> None:

@@ -39,6 +39,7 @@ outputs. Regions never span units, so a unit's recompute runs while it is gather
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field, replace
 
@@ -65,12 +66,15 @@ from .units import install
 @dataclass(frozen=True)
 class FsdpStage:
     """A stage's FSDP2 units as the replay's overlay needs them: each unit's sizes (the root ""),
-    the units below the root in forward order, the unit of each graph node (by name), and whether
-    the collectives stage through a temporary of their full size (gloo)."""
+    the units below the root in forward order, the unit of each graph node (by name), whether
+    the collectives stage through a temporary of their full size (gloo), and on a rank of several
+    stages, the stage's actions as the runtime runs them (its computations, "UNSHARD", "RESHARD",
+    "REDUCE_GRAD": NOTE [ stages under FSDP2 on one rank ] in interleaved_fsdp.py)."""
     units: dict
     order: tuple[str, ...]
     where: dict
     staged: bool
+    actions: tuple = ()
 
     def marked(self, gm: fx.GraphModule) -> "FsdpOverlay":
         """`gm` (the rewritten stage, changed in place) with the units' marks, and their overlay."""
@@ -89,10 +93,12 @@ class FsdpOverlay:
     pending: set = field(default_factory=set)      # prefetched: the all-gather's flat output, not copied out
     retained: int = 0                              # a forward all-gather's flat output, kept
     reduced: int = 0                               # the latest reduce-scatter's input, kept
+    explicit: list = field(default_factory=list)   # all-gathered by the runtime's UNSHARD, not copied out yet
 
     def start(self, meter) -> None:
         """The step's start: every unit sharded (the replay counts them unsharded)."""
         self.meter, self.gathered, self.pending, self.retained, self.reduced = meter, set(), set(), 0, 0
+        self.explicit = []
         units = self.stage.units.values()
         self._move(sum(u.shard_bytes - u.unsharded_bytes for u in units))
 
@@ -145,6 +151,34 @@ class FsdpOverlay:
             self._all_gather(self.stage.units[before])
             self.pending.add(before)
 
+    def unshard(self) -> None:
+        """The runtime's UNSHARD: every unit not gathered (the root first) all-gathered at once, its
+        flat output held until the stage's next computation waits for it (`wait`)."""
+        if self.meter is None:
+            return
+        for name in ("",) + self.stage.order:
+            if name not in self.gathered and name not in self.pending:
+                self._all_gather(self.stage.units[name])
+                self.explicit.append(name)
+
+    def wait(self) -> None:
+        """Before the stage's computation (the runtime's `_assert_unsharded`): each unit an UNSHARD
+        gathered copied out of its flat output, which is freed (not kept: no forward's deferral)."""
+        for name in self.explicit:
+            u = self.stage.units[name]
+            self._move(u.unsharded_bytes)
+            self._move(-u.unsharded_bytes)
+            self.gathered.add(name)
+        self.explicit = []
+
+    def reshard(self) -> None:
+        """The runtime's RESHARD: every gathered unit resharded."""
+        if self.meter is None:
+            return
+        for name in list(self.gathered):
+            self._move(-self.stage.units[name].unsharded_bytes)
+        self.gathered = set()
+
     def finish(self) -> None:
         """The step's end (perform_reduce_grad): each unit resharded and its gradients reduce-scattered."""
         for name in ("",) + self.stage.order:
@@ -179,19 +213,30 @@ class _Mark(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-class UnitMark(torch.nn.Module):
-    """A mark in the replayed graph: `forward` and `backward` are the events it stands for."""
+def _fired(overlay: FsdpOverlay, name: str, what: str, grad) -> None:
+    overlay.event(name, what)
 
-    def __init__(self, overlay: FsdpOverlay, name: str, forward: str, backward: str):
+
+class UnitMark(torch.nn.Module):
+    """A mark in the replayed graph: `forward` and `backward` are the events it stands for. At a
+    unit's outputs (`hooked`) the backward event is a hook on each output, as FSDP2's pre-backward
+    is, not a view of it (a zero-bubble runtime detaches a stage's outputs in place); at its
+    inputs an autograd Function, as FSDP2's post-backward is."""
+
+    def __init__(self, overlay: FsdpOverlay, name: str, forward: str, backward: str, hooked: bool = False):
         super().__init__()
         self._overlay = (overlay,)      # not a submodule
-        self.unit, self.fwd, self.bwd = name, forward, backward
+        self.unit, self.fwd, self.bwd, self.hooked = name, forward, backward, hooked
 
     def forward(self, *xs):
         overlay = self._overlay[0]
         overlay.event(self.unit, self.fwd)
         at = [i for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not at or not torch.is_grad_enabled():
+            return xs
+        if self.hooked:
+            for i in at:
+                xs[i].register_hook(functools.partial(_fired, overlay, self.unit, self.bwd))
             return xs
         marked = _Mark.apply(overlay, self.unit, self.bwd, *(xs[i] for i in at))
         out = list(xs)
@@ -261,14 +306,14 @@ def mark_units(gm: fx.GraphModule, stage: FsdpStage, overlay: FsdpOverlay) -> No
         outs = [n for n in body[at[0]:at[-1] + 1] if any(u not in span for u in n.users)]
         _through(gm, UnitMark(overlay, name, "pre_forward", "post_backward"), ins, body[at[0]].prev,
                  lambda user, s=span: user in s)
-        _through(gm, UnitMark(overlay, name, "post_forward", "pre_backward"), outs, body[at[-1]],
+        _through(gm, UnitMark(overlay, name, "post_forward", "pre_backward", hooked=True), outs, body[at[-1]],
                  lambda user, s=span: user not in s)
     places = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     _through(gm, UnitMark(overlay, "", "pre_forward", "post_backward"), [], places[-1] if places else
              next(iter(graph.nodes)), lambda user: False)
-    _through(gm, UnitMark(overlay, "", "post_forward", "pre_backward"), list(output.all_input_nodes), output.prev,
-             lambda user: user is output)
+    _through(gm, UnitMark(overlay, "", "post_forward", "pre_backward", hooked=True), list(output.all_input_nodes),
+             output.prev, lambda user: user is output)
     graph.lint()
     gm.recompile()
 

@@ -22,7 +22,7 @@ from .units import GraphForward, SpanForward, _install, install
 # ---- the plan ------------------------------------------------------------------------------
 
 def _agreed(solve: Callable[[], Plan], group=None) -> Plan:
-    """The plan of `group`'s first rank (every rank's by default) on each of its ranks: it solves,
+    """The plan (or list of plans) of `group`'s first rank (every rank's by default) on each of its ranks: it solves,
     and broadcasts the plan's JSON, or the error it raised (an infeasible budget), which every rank
     then raises. Without a process group, or a group of one, `solve()`."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -31,13 +31,14 @@ def _agreed(solve: Callable[[], Plan], group=None) -> Plan:
     src = 0 if group is None else dist.get_global_rank(group, 0)
     if dist.get_rank() == src:
         try:
-            box = [solve().to_json()]
+            plans = solve()
+            box = [[p.to_json() for p in plans] if isinstance(plans, list) else plans.to_json()]
         except Exception as e:          # every rank raises it, none waits for a plan
             box = [e]
     dist.broadcast_object_list(box, src=src, group=group)
     if isinstance(box[0], Exception):
         raise box[0]
-    return Plan.from_json(box[0])
+    return [Plan.from_json(j) for j in box[0]] if isinstance(box[0], list) else Plan.from_json(box[0])
 
 
 def _solve(cg, budget: Budget, options: PlanOptions, opaque) -> Plan:
