@@ -168,3 +168,53 @@ def test_the_marks_keep_the_step_and_fire_fsdp2s_events_in_order():
                       ("blocks.1", "pre_forward"), ("blocks.1", "post_forward"), ("", "post_forward"),
                       ("", "pre_backward"), ("blocks.1", "pre_backward"), ("blocks.1", "post_backward"),
                       ("blocks.0", "pre_backward"), ("blocks.0", "post_backward")]
+
+
+def test_the_runtimes_fsdp_actions_are_read_in_the_ranks_order():
+    """ScheduleInterleaved1F1B's lowering on a rank of two stages (built on stage-shaped objects,
+    no process group): with `fsdp`, UNSHARD of both stages before the first forward, and after
+    each stage's last backward its REDUCE_GRAD then RESHARD; without, the computations alone."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    from remat.planner.compat import schedule_rank_order
+    shaped = [SimpleNamespace(group_size=2, group_rank=0, stage_index=i, num_stages=4, submod=None) for i in (0, 2)]
+    schedule = ScheduleInterleaved1F1B(shaped, 4)
+    plain, fsdp = schedule_rank_order(schedule), schedule_rank_order(schedule, fsdp=True)
+    assert [a for a in fsdp if a[0] in ("F", "B")] == list(plain)
+    assert fsdp[:2] == (("UNSHARD", 0, None), ("UNSHARD", 2, None)) and fsdp[2][0] == "F"
+    for s in (0, 2):
+        last_b = max(i for i, a in enumerate(fsdp) if a[:2] == ("B", s))
+        assert fsdp[last_b + 1:last_b + 3] == (("REDUCE_GRAD", s, None), ("RESHARD", s, None))
+
+
+def test_the_overlay_counts_an_unshard_its_wait_and_a_reshard():
+    """FsdpOverlay's runtime actions (NOTE [ stages under FSDP2 on one rank ]) on a stage of a root
+    and two units (P_U 100, 10, 20; shards a tenth; gloo staging): UNSHARD holds every flat output
+    (at its peak the root's beside its staging copy); the wait copies each out and frees its flat
+    output (the peak one copy above, the root's); the forward gathers nothing more; RESHARD frees
+    them all."""
+    from types import SimpleNamespace
+
+    from remat.planner.distributed import Unit
+    from remat.runtime.distributed.pipeline_fsdp import FsdpOverlay, FsdpStage
+
+    units = {n: Unit(n, p, p // 10, p, p // 10) for n, p in (("", 100), ("a", 10), ("b", 20))}
+    stage = FsdpStage(units, ("a", "b"), {}, staged=True)
+    overlay = FsdpOverlay(stage)
+    meter = SimpleNamespace(live_bytes=0, _peak=0)
+    overlay.start(meter)
+    base = meter.live_bytes                                   # the shards, less the replay's unsharded parameters
+    assert base == -(100 + 10 + 20) * 9 // 10
+    meter._peak = base
+    overlay.unshard()
+    assert meter.live_bytes == base + 130 and meter._peak == base + 200
+    meter._peak = meter.live_bytes
+    overlay.wait()
+    assert meter.live_bytes == base + 130 and meter._peak == base + 130 + 100
+    for name, what in (("", "pre_forward"), ("a", "pre_forward"), ("a", "post_forward")):
+        overlay.event(name, what)
+    assert meter.live_bytes == base + 130 - 10              # "a" resharded after its forward
+    overlay.reshard()
+    assert meter.live_bytes == base and overlay.gathered == set()
