@@ -320,12 +320,10 @@ def _export(model: torch.nn.Module, a: tuple, kw: dict):
     cache no op's output (`fake_cache_off`): a cached output's symbolic sizes and strides were
     rebuilt at every hit, dearer than the op (a 2-layer Mamba2 6.9 -> 3.5 CPU s, hf-bert 1.7 ->
     0.8; the same graph, but for the numbers in its `sym_size` nodes' names)."""
-    if _on_meta(model, a, kw):
-        with _exporting(model):
-            return torch.export.export(model, a, kw, strict=False)
     try:
-        with _exporting(model), instance_forwards({model: _named_forward(model, kw)}), fake_cache_off():
-            return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
+        if not _on_meta(model, a, kw):      # on meta: at the example sizes only
+            with _exporting(model), instance_forwards({model: _named_forward(model, kw)}), fake_cache_off():
+                return torch.export.export(model, a, kw, dynamic_shapes=_dynamic(model, a, kw), strict=False)
     except Exception as e:    # a size the program cannot take symbolically: the sizes as given
         if _NOT_A_PYTREE in str(e):
             raise                 # an output no export can return (a key/value cache object): see `capture`

@@ -82,6 +82,7 @@ class _Read(NamedTuple):
     fw: fx.GraphModule
     bw: fx.GraphModule
     primals: list
+    outs: list              # the forward's outputs
     copied: set             # the forward's placeholders Inductor copies channels-last
     static: set             # storages held throughout (parameters, buffers, inputs)
     visible: list[int]      # the forward's user outputs, by index
@@ -100,7 +101,7 @@ def _read(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule]) -> _Read:
     inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     tangents = [t for n in inputs if "tangents" in n.name and (t := _tensor(n)) is not None]
     counted = {storage_key(t) for t in map(_tensor, inputs) if t is not None} - static
-    return _Read(fw, bw, primals, copied, static, visible, counted, tangents)
+    return _Read(fw, bw, primals, outs, copied, static, visible, counted, tangents)
 
 
 def check_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule], alongside: bool = False):
@@ -121,8 +122,7 @@ def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,
     changes it)."""
     t0 = time.process_time()
     r = _read(joint, graphs or partition(joint, decided))
-    fw, bw, primals, copied, static = r.fw, r.bw, r.primals, r.copied, r.static
-    outs = list(fw.graph.find_nodes(op="output")[0].args[0])
+    fw, bw, primals, outs, copied, static = r.fw, r.bw, r.primals, r.outs, r.copied, r.static
     mutated, users = joint.layout
     user_outs = outs[mutated:mutated + users]
     made_outs = {storage_key(t) for t in map(_tensor, user_outs) if t is not None}

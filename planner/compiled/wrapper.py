@@ -16,7 +16,6 @@ import torch.fx as fx
 
 from remat.planner.compat import (allocation_events, compute_required_storage_length, donates_buffers,
                                   inductor_wrapper, storage_key)
-
 from remat.planner.workers import cores, started
 
 from .memory import GraphMemory, workspace

@@ -27,8 +27,8 @@ interleaved rank 0: 82.6% against 84.5%), and at times over it: interleaved 1F1B
 at the per-block policy's peak, both starts ended at 1,977,984 B over a 1,936,320 B budget the
 per-block start fits. Rounds that end over the budget are run again from their start `strict`:
 once the rank fits, a stage's plan is taken only where the rank still fits with it (there: 80.0%
-extra compute, the per-block plans' 84.6%). The rounds start from two points, and the cheapest end that fits is
-kept: no regions anywhere, and the per-block policy's plans (`uniform_regions`: every block of
+extra compute, the per-block plans' 84.6%). The rounds start from two points, and the cheapest
+end that fits is kept: no regions anywhere, and the per-block policy's plans (`uniform_regions`: every block of
 every stage checkpointed), when the rank's replay fits them. Why the second: the in-turn rounds
 reach a fixed point, not a joint optimum, and which one depends on the start. The constant is
 taken at the stage's own current plan, so it counts the others' bytes at the phase where that

@@ -219,14 +219,14 @@ def _fired(overlay: FsdpOverlay, name: str, what: str, grad) -> None:
 
 class UnitMark(torch.nn.Module):
     """A mark in the replayed graph: `forward` and `backward` are the events it stands for. At a
-    unit's outputs (`hooked`) the backward event is a hook on each output, as FSDP2's pre-backward
-    is, not a view of it (a zero-bubble runtime detaches a stage's outputs in place); at its
-    inputs an autograd Function, as FSDP2's post-backward is."""
+    unit's outputs (backward: its pre-backward) the backward event is a hook on each output, as
+    FSDP2's pre-backward is, not a view of it (a zero-bubble runtime detaches a stage's outputs in
+    place); at its inputs an autograd Function, as FSDP2's post-backward is."""
 
-    def __init__(self, overlay: FsdpOverlay, name: str, forward: str, backward: str, hooked: bool = False):
+    def __init__(self, overlay: FsdpOverlay, name: str, forward: str, backward: str):
         super().__init__()
         self._overlay = (overlay,)      # not a submodule
-        self.unit, self.fwd, self.bwd, self.hooked = name, forward, backward, hooked
+        self.unit, self.fwd, self.bwd = name, forward, backward
 
     def forward(self, *xs):
         overlay = self._overlay[0]
@@ -234,7 +234,7 @@ class UnitMark(torch.nn.Module):
         at = [i for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not at or not torch.is_grad_enabled():
             return xs
-        if self.hooked:
+        if self.bwd == "pre_backward":
             for i in at:
                 xs[i].register_hook(functools.partial(_fired, overlay, self.unit, self.bwd))
             return xs
@@ -306,14 +306,14 @@ def mark_units(gm: fx.GraphModule, stage: FsdpStage, overlay: FsdpOverlay) -> No
         outs = [n for n in body[at[0]:at[-1] + 1] if any(u not in span for u in n.users)]
         _through(gm, UnitMark(overlay, name, "pre_forward", "post_backward"), ins, body[at[0]].prev,
                  lambda user, s=span: user in s)
-        _through(gm, UnitMark(overlay, name, "post_forward", "pre_backward", hooked=True), outs, body[at[-1]],
+        _through(gm, UnitMark(overlay, name, "post_forward", "pre_backward"), outs, body[at[-1]],
                  lambda user, s=span: user not in s)
     places = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     _through(gm, UnitMark(overlay, "", "pre_forward", "post_backward"), [], places[-1] if places else
              next(iter(graph.nodes)), lambda user: False)
-    _through(gm, UnitMark(overlay, "", "post_forward", "pre_backward", hooked=True), list(output.all_input_nodes),
-             output.prev, lambda user: user is output)
+    _through(gm, UnitMark(overlay, "", "post_forward", "pre_backward"), list(output.all_input_nodes), output.prev,
+             lambda user: user is output)
     graph.lint()
     gm.recompile()
 

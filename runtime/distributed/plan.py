@@ -21,10 +21,11 @@ from .units import GraphForward, SpanForward, _install, install
 
 # ---- the plan ------------------------------------------------------------------------------
 
-def _agreed(solve: Callable[[], Plan], group=None) -> Plan:
-    """The plan (or list of plans) of `group`'s first rank (every rank's by default) on each of its ranks: it solves,
-    and broadcasts the plan's JSON, or the error it raised (an infeasible budget), which every rank
-    then raises. Without a process group, or a group of one, `solve()`."""
+def _agreed(solve: Callable[[], Plan | list[Plan]], group=None) -> Plan | list[Plan]:
+    """The plan (or list of plans: a rank's stages) of `group`'s first rank (every rank's by
+    default) on each of its ranks: it solves, and broadcasts the plans' JSON, or the error it
+    raised (an infeasible budget), which every rank then raises. Without a process group, or a
+    group of one, `solve()`."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return solve()
     box: list = [None]
