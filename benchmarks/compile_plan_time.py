@@ -23,18 +23,32 @@ BUDGETS = ("50%", "70%", "90%")
 COMMAND = "python -m benchmarks.compile_plan_time"
 
 
+def target(name: str) -> int:
+    """The issue's budget in bytes: halfway between the compiled step's measured peak unplanned and
+    with every block checkpointed (benchmarks/compile.py's target, real compiled steps)."""
+    import copy
+    import torch
+    torch.set_num_threads(1)
+    from benchmarks.compile import MODELS as CASES, compiled_strategy, with_blocks_checkpointed
+    case = CASES[name]()
+    plain = compiled_strategy("unplanned", case, copy.deepcopy(case.model))
+    block = compiled_strategy("every block", case, with_blocks_checkpointed(case))
+    return (plain.peak + block.peak) // 2
+
+
 def one(name: str, budget: str) -> dict:
     """In this process: the model built, then `plan_and_wrap(compile=True)` timed (wall; CPU of
-    this process and of the workers it waited for)."""
+    this process and of the workers it waited for). `budget`: '70%', or a number of bytes."""
     import torch
     torch.set_num_threads(1)
     from benchmarks.compile import MODELS as CASES
     from remat.runtime.api import plan_and_wrap
     from remat.planner import InfeasibleBudgetError
     case = CASES[name]()
+    asked = budget if budget.endswith("%") else int(budget) / 1e9
     t, c0 = os.times(), time.perf_counter()
     try:
-        wrapped = plan_and_wrap(case.model, budget, example_inputs=case.args, example_kwargs=case.kwargs,
+        wrapped = plan_and_wrap(case.model, asked, example_inputs=case.args, example_kwargs=case.kwargs,
                                 loss_fn=case.loss_fn, compile=True)
     except InfeasibleBudgetError as e:
         wrapped, refused = None, e.min_feasible_bytes
@@ -49,21 +63,28 @@ def one(name: str, budget: str) -> dict:
                 phases=plan.facts.plan_time)
 
 
-def fresh(name: str, budget: str) -> dict:
-    """`one` in a fresh interpreter."""
+def fresh(how: str, name: str, budget: str = "") -> dict:
+    """`one` (or `target`) in a fresh interpreter."""
     env = {**os.environ, "REMAT_CACHE": "0", "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="remat-ind-")}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.compile_plan_time", "--one", name, budget],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compile_plan_time", how, name, budget],
                          env=env, capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _label(budget: str) -> str:
+    return budget if budget.endswith("%") else f"{int(budget) / 1e6:.2f} MB (halfway)"
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(sys.argv[2], sys.argv[3])))
         return
+    if sys.argv[1:2] == ["--target"]:
+        print(json.dumps(target(sys.argv[2])))
+        return
     t0 = time.perf_counter()
-    rows = [fresh(m, b) for m in MODELS for b in BUDGETS]
+    rows = [fresh("--one", m, b) for m in MODELS for b in (*BUDGETS, str(fresh("--target", m)))]
     head = "| model | budget | plan wall s | plan CPU s | regions | predicted MB | budget MB | phases (s, this process) |"
     lines = [
         "# Compile mode: planning time in a fresh process",
@@ -72,17 +93,19 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; 2-core CPU, one torch thread; "
         f"each row `plan_and_wrap(model, budget, compile=True)` in its own interpreter, its first "
         f"torch.compile included, plan cache off; CPU s: the process's and its forked workers'; "
+        f"'halfway': a budget in bytes, halfway between the compiled step's measured peak unplanned and "
+        f"with every block checkpointed (benchmarks/compile.py's target, found first, in a process of its own); "
         f"whole run {time.perf_counter() - t0:.0f} s.",
         "",
         head, "|" + "---|" * (head.count("|") - 1),
     ]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['name']} | {r['budget']} | {r['wall']:.1f} | {r['cpu']:.1f} | refused: least "
+            lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {r['cpu']:.1f} | refused: least "
                          f"{(r['refused'] or 0) / 1e6:.2f} MB | - | - | - |")
             continue
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if isinstance(v, float) and v >= 0.1)
-        lines.append(f"| {r['name']} | {r['budget']} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['regions']} | "
+        lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['regions']} | "
                      f"{r['predicted'] / 1e6:.2f} | {r['budget_bytes'] / 1e6:.2f} | {phases} |")
     RESULTS.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -37,7 +37,8 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count", "view_base",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
-           "partitioner", "partitioner_installed", "min_cut_partition", "storage_key", "compile_failure_cause",
+           "partitioner", "partitioner_installed", "min_cut_partition", "lazy_graph_module", "autograd_cache_off",
+           "vector_isa_checked", "storage_key", "compile_failure_cause",
            "inductor_layout_opt", "inductor_wrapper", "allocation_events"]
 
 
@@ -222,9 +223,38 @@ def partitioner_installed(partitioner):
 
 def min_cut_partition(gm, joint_inputs, **kwargs):
     """torch._functorch.partitioners.min_cut_rematerialization_partition: the forward and backward
-    graphs AOTAutograd makes of a joint graph, honouring its nodes' `recompute` tags."""
+    graphs AOTAutograd makes of a joint graph, honouring its nodes' `recompute` tags. Their Python
+    code is generated at their first call (fx's lazy graph modules, as Inductor's compile makes
+    them): a third of a partition's time, and the planner never calls them."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    with _use_lazy_graph_module(True):
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def lazy_graph_module(root, graph):
+    """`fx.GraphModule(root, graph)` whose Python code is generated at its first call
+    (torch.fx._lazy_graph_module._LazyGraphModule)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    return _LazyGraphModule(root, graph)
+
+
+def autograd_cache_off():
+    """AOTAutograd's compile cache off (a context manager): a compile stopped at its partitioner
+    caches nothing, and the cache's key (a hash of torch's sources and the graph) is its cost."""
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
+def vector_isa_checked() -> threading.Thread:
+    """Inductor's check of the CPU's vector instructions (torch._inductor.cpu_vec_isa's
+    `valid_vec_isa_list`: a C++ compiler run, seconds in a fresh process, then cached in it)
+    started in a thread: the compiler runs beside this process, which joins the thread before it
+    forks (planner/workers.py), so that every worker finds it done."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    t = threading.Thread(target=valid_vec_isa_list, name="remat-isa-check", daemon=True)
+    t.start()
+    return t
 
 
 def storage_key(t: torch.Tensor):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from remat.planner.compat import FakeTensor, min_cut_partition, partitioner, tree_leaves
+from remat.planner.compat import FakeTensor, lazy_graph_module, min_cut_partition, partitioner, tree_leaves
 from remat.planner.result import Region
 
 from .joint import KEY, Joint
@@ -68,7 +68,7 @@ def _copied(gm: fx.GraphModule) -> fx.GraphModule:
     warn when deep-copied)."""
     g = fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, g)
+    return lazy_graph_module(gm, g)
 
 
 def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -122,6 +122,10 @@ class _Both:
     def __init__(self, fwd, bwd, guessed):
         self.fwd, self.bwd, self.guessed = fwd, bwd, guessed
 
+    def cancel(self) -> None:
+        self.fwd.cancel()
+        self.bwd.cancel()
+
     def result(self) -> tuple[GraphMemory, GraphMemory]:
         (forward, strides), backward = self.fwd.result(), self.bwd.result()
         if self.guessed is None:

@@ -206,7 +206,8 @@ def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: 
     try:
         choice = _fit(pb)
     except InfeasibleBudgetError as e:
-        raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source) from None
+        raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source,
+                                    floor_plan=e.floor_plan) from None
     if min_feasible is not None and measure is not None:     # one replayed number: NOTE [ one floor ]
         min_feasible = min(choice.predicted, _replayed_floor(pb))
     elif min_feasible is not None:      # the simulator's, corrected as the budget was; never above a plan that fits
@@ -265,14 +266,21 @@ MIN_STEP = 0.002
 ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the simulator's rounding
 
 
+def _first_effective(pb: _Problem) -> int:
+    """The first effective budget: the budget, scaled with a measure by how the simulator's
+    prediction of the step without checkpointing compares to the measure's, within FIRST_SCALE
+    (or the measure's `first_scale`) either way."""
+    if pb.measure is None:
+        return pb.budget
+    within = getattr(pb.measure, "first_scale", FIRST_SCALE)
+    return int(pb.budget * min(within, max(1 / within, pb.predict(()) / max(1, pb.guessed_unplanned()))))
+
+
 def _fit(pb: _Problem) -> Choice:
     """Solve against an effective budget, correct it by the exact replay, keep the cheapest fit."""
     budget, close = pb.budget, getattr(pb.measure, "close_enough", CLOSE_ENOUGH)
     best: tuple[float, Choice] | None = None
-    effective = budget
-    if pb.measure is not None:
-        scale = min(FIRST_SCALE, max(1 / FIRST_SCALE, pb.predict(()) / max(1, pb.guessed_unplanned())))
-        effective = int(budget * scale)
+    effective = _first_effective(pb)
     under = over = predicted = None      # highest effective budget to go up from, lowest to go down from
     tries_left = None                    # solves left once a plan fits (AFTER_FIT)
     tried: list[tuple[float, int]] = []  # (recompute seconds, prediction) of every plan solved
@@ -298,6 +306,7 @@ def _fit(pb: _Problem) -> Choice:
             if go_up:
                 if best is None or tl.recompute_s < best[0]:
                     best = (tl.recompute_s, choice._replace(predicted=predicted, effective=effective))
+                    getattr(pb.measure, "fitting", _nothing)(choice.regions)    # NOTE [ the best so far ]
                 # close enough, unless CBC stopped at a limit (another effective budget may do better:
                 # up by the room left); else nothing cheaper to expect below the corrected bound
                 limited = "limit" in choice.status
@@ -325,6 +334,18 @@ def _fit(pb: _Problem) -> Choice:
     if best is None:
         return _known_or_raise(pb, effective, max(predicted or 0, min(pb.peaks.values(), default=predicted or 0)))
     return best[1]._replace(why=_why_unused(pb, best[1], best[0], tried))
+
+
+def _nothing(regions) -> None:
+    pass
+
+
+# NOTE [ the best so far ]
+# A measure may want to know the plan the fit would return were it to stop now (`fitting`): the
+# best fitting plan so far, each time it changes. Compile mode checks that plan with Inductor's
+# own memory plan after the fit (runtime/planning.py NOTE [ the compiled check ]), and starts that
+# check at once, in forked workers, while the fit goes on: the plan the fit ends with is, more
+# often than not, one it found rounds before.
 
 
 # NOTE [ budget used ]
@@ -397,8 +418,8 @@ def _known_or_raise(pb: _Problem, effective: int, estimate: int) -> Choice:
         if k == "none":
             return Choice((), "none", "fits without checkpointing when replayed exactly", 0.0, p, effective)
         return Choice(pb.known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective)
-    floor = min((p for _, p in replayed.values()), default=estimate)
-    raise InfeasibleBudgetError(pb.budget, floor, pb.source)
+    floor = min(((p, r) for r, p in replayed.values()), default=(estimate, None), key=lambda pr: pr[0])
+    raise InfeasibleBudgetError(pb.budget, floor[0], pb.source, floor_plan=floor[1])
 
 
 def _choose(pb: _Problem, budget_bytes: int) -> Choice:

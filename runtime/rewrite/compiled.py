@@ -27,6 +27,7 @@ from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
+from remat.planner.workers import cores
 
 from ..measure import peak_memory, preserved, training_loss
 
@@ -144,7 +145,7 @@ class CompiledPrediction:
     what = "the compiled step's partition, replayed on fake tensors"
     # the simulator models the eager step: the compiled one (min-cut recomputing cheap ops between
     # regions) departs from it plan by plan, so the budget correction takes more steps
-    rounds, after_fit = 8, 3
+    rounds, after_fit, first_scale = 8, 2, 1.3
     close_enough = 1 - USED         # a plan using the budget as the issue asks ends the search (NOTE [ the compiled fit ])
 
     def __init__(self, replay, compile_kwargs: dict | None = None):
@@ -155,6 +156,7 @@ class CompiledPrediction:
         self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
         self.started: dict[tuple, object] = {}      # checks running (NOTE [ forked workers ])
+        self.forks = cores() > 1 and all(t.device.type == "cpu" for t in self.joint.inputs if isinstance(t, torch.Tensor))
 
     def _partition(self, regions: tuple) -> tuple[fx.GraphModule, fx.GraphModule]:
         if regions not in self.partitions:
@@ -167,6 +169,19 @@ class CompiledPrediction:
         regions = tuple(regions)
         if regions not in self.started and (regions, True) not in self.steps:
             self.started[regions] = check_started(self.joint, self._partition(regions), alongside=True)
+
+    def speculate(self, regions) -> None:
+        """The check of `regions`, the fit's best plan so far, started (NOTE [ the best so far ]
+        in planner/solve/fit.py), in two workers beside the fit; the check of an earlier best, still
+        running, stopped. Only where checks fork (on CPU, with two cores or more): the workers run
+        below the fit's priority (planner/workers.py NOTE [ forked workers ])."""
+        regions = tuple(regions)
+        if not self.forks:
+            return
+        for r in [r for r in self.started if r not in ((), regions)]:
+            self.started.pop(r).cancel()
+        if regions not in self.started and (regions, True) not in self.steps:
+            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=False)
 
     def step(self, regions, wrapper: bool = False) -> CompiledStep:
         """The plan's compiled step, its buffers modelled, or with `wrapper` checked (NOTE [ the
