@@ -82,3 +82,43 @@ def test_compiled_budget_below_the_compiled_floor_names_it():
     with pytest.raises(InfeasibleBudgetError) as e:
         _compiled(floor / 1e9)
     assert e.value.min_feasible_bytes > floor
+
+
+def _checked_plans(monkeypatch) -> list:
+    """The plans compile mode checks with Inductor's wrapper (CompiledPrediction.checked), in order."""
+    from remat.runtime.rewrite.compiled import CompiledPrediction
+    seen, checked = [], CompiledPrediction.checked
+
+    def counted(self, regions):
+        if tuple(regions) not in self.checks:
+            seen.append(tuple(regions))
+        return checked(self, regions)
+    monkeypatch.setattr(CompiledPrediction, "checked", counted)
+    return seen
+
+
+def test_a_budget_in_bytes_plans_as_its_share_did_and_checks_no_unplanned_step(monkeypatch):
+    """NOTE [ the unplanned check, alongside ]: a '%' budget is a share of the checked unplanned
+    step; the same budget in bytes is the same plan, and the unplanned step is not checked for it
+    (its peak in the plan is the modelled one, and the notes say so)."""
+    seen = _checked_plans(monkeypatch)
+    share = _compiled("90%")[3].remat.plan
+    assert () in seen and "unplanned peak: modelled" not in " ".join(share.notes)
+    seen.clear()
+    exact = _compiled(share.budget_bytes / 1e9)[3].remat.plan
+    assert exact.budget_bytes == share.budget_bytes
+    assert (exact.regions, exact.predicted_peak_bytes) == (share.regions, share.predicted_peak_bytes)
+    assert () not in seen and seen[-1] == exact.regions
+    assert "unplanned peak: modelled" in " ".join(exact.notes)
+
+
+def test_a_budget_far_below_the_compiled_floor_is_refused_after_one_check(monkeypatch):
+    """NOTE [ far below the floor ]: a budget far under the least modelled peak is refused after
+    checking that one plan, and the floor it names (the plan's checked peak) fits, typed back."""
+    from remat.planner import InfeasibleBudgetError
+    seen = _checked_plans(monkeypatch)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        _compiled(1e-6)
+    assert seen == [e.value.floor_plan]
+    plan = _compiled(e.value.min_feasible_bytes / 1e9)[3].remat.plan
+    assert plan.predicted_peak_bytes <= e.value.min_feasible_bytes

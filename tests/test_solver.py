@@ -149,6 +149,34 @@ def test_budget_correction_solves_again_only_where_the_simulator_overstated():
         assert q.recompute_s == pytest.approx(oracle.recompute_s), (frac, q.regions, oracle.regions)
 
 
+class _Watched(_Replay):
+    """A `_Replay` told each best fitting plan so far (planner/solve/fit.py NOTE [ the best so far ])."""
+    rounds, after_fit, close_enough = 8, 3, 0.0         # never close enough: the fit runs its rounds
+
+    def __init__(self, cg, over: int):
+        super().__init__(cg, over)
+        self.best = []
+
+    def fitting(self, regions):
+        self.best.append(tuple(regions))
+
+
+def test_the_fit_tells_the_measure_each_best_plan_so_far_and_ends_with_the_last():
+    """Compile mode starts the check of each plan the fit would return were it to stop (its best
+    fitting plan so far): each one told fits, recomputes less than the one before, and the plan
+    returned is the last one told."""
+    cg = chain(8, [5, 3, 5, 3, 5, 3, 5, 3], [1, 2, 3, 4, 5, 6, 7, 8])
+    unplanned = timeline(cg, ()).peak_bytes
+    for frac, over in [(f, o) for f in (0.6, 0.7, 0.8) for o in (0, MB, 3 * MB)]:
+        budget = int(unplanned * frac)
+        m = _Watched(cg, over)
+        p = solve_plan(cg, budget, PlanOptions(find_min_feasible=False), measure=m)
+        assert m.best and m.best[-1] == p.regions, (frac, over, m.best, p.regions)
+        assert all(m(r) <= budget for r in m.best)
+        costs = [timeline(cg, r).recompute_s for r in m.best]
+        assert all(a > b for a, b in zip(costs, costs[1:])), costs
+
+
 def test_plan_never_predicted_over_budget():
     cg = chain(6, [5, 3, 5, 3, 5, 3], [1, 2, 3, 4, 5, 6])
     unplanned = timeline(cg, ()).peak_bytes

@@ -65,6 +65,32 @@ def test_a_workers_exception_is_raised_here_with_its_traceback(monkeypatch):
 
 
 @needs_fork
+def test_a_cancelled_call_leaves_no_worker_and_says_so(monkeypatch):
+    """Compile mode stops the check of a plan the fit has bettered (`Started.cancel`): the worker
+    is gone at once, and its result, asked for, is an error, not a stale answer."""
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    t0 = time.perf_counter()
+    call = started(time.sleep, 60)
+    pid = call._proc.pid
+    call.cancel()
+    assert time.perf_counter() - t0 < 30
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        call.result()
+    done = started(_square_and_pid, 4)
+    assert done.result()[0] == 16
+    done.cancel()                        # a call already answered keeps its answer
+    assert done.result()[0] == 16
+
+
+@needs_fork
+def test_a_worker_runs_below_the_callers_priority(monkeypatch):
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    assert started(os.nice, 0).result() == min(19, os.nice(0) + workers.NICE)
+
+
+@needs_fork
 def test_a_worker_after_the_caller_ran_openmp_does_not_hang(monkeypatch):
     """The parent's OpenMP pool used, then a real op in the worker (NOTE [ forked workers ]: with
     the parent's thread count a forked child entering a parallel region hangs)."""
