@@ -269,11 +269,11 @@ ROUNDING_RESOLVES = 4     # re-solves tighter when the ILP's plan misses by the 
 def _first_effective(pb: _Problem) -> int:
     """The first effective budget: the budget, scaled with a measure by how the simulator's
     prediction of the step without checkpointing compares to the measure's, within FIRST_SCALE
-    (or the measure's `first_scale`) either way."""
+    either way (up to the measure's `first_scale` where the simulator overstates)."""
     if pb.measure is None:
         return pb.budget
-    within = getattr(pb.measure, "first_scale", FIRST_SCALE)
-    return int(pb.budget * min(within, max(1 / within, pb.predict(()) / max(1, pb.guessed_unplanned()))))
+    up = getattr(pb.measure, "first_scale", FIRST_SCALE)
+    return int(pb.budget * min(up, max(1 / FIRST_SCALE, pb.predict(()) / max(1, pb.guessed_unplanned()))))
 
 
 def _fit(pb: _Problem) -> Choice:
