@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import threading
+import unittest.mock
 
 import torch
 import torch.utils.flop_counter
@@ -37,8 +38,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count", "view_base",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
-           "partitioner", "partitioner_installed", "min_cut_partition", "lazy_graph_module", "autograd_cache_off",
-           "vector_isa_checked", "storage_key", "compile_failure_cause",
+           "partitioner", "partitioner_installed", "min_cut_partition", "lazy_graph_module", "autograd_cache_off", "storage_key", "compile_failure_cause",
            "inductor_layout_opt", "inductor_wrapper", "allocation_events"]
 
 
@@ -246,17 +246,6 @@ def autograd_cache_off():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
-def vector_isa_checked() -> threading.Thread:
-    """Inductor's check of the CPU's vector instructions (torch._inductor.cpu_vec_isa's
-    `valid_vec_isa_list`: a C++ compiler run, seconds in a fresh process, then cached in it)
-    started in a thread: the compiler runs beside this process, which joins the thread before it
-    forks (planner/workers.py), so that every worker finds it done."""
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-    t = threading.Thread(target=valid_vec_isa_list, name="remat-isa-check", daemon=True)
-    t.start()
-    return t
-
-
 def storage_key(t: torch.Tensor):
     """A hashable key of `t`'s storage (torch.multiprocessing.reductions.StorageWeakRef): tensors on
     one storage (views) share it, fake ones included."""
@@ -323,6 +312,7 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
     are (`bw_donated_idxs`, which Inductor reads from the tracing context we do not run under).
     Without `codegen`, only the lowering runs: no code and no sizes, the outputs' strides."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
     from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
                                             fake_tensor_prop)
     from torch._inductor.debug import DebugContext
@@ -340,8 +330,11 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None,
         visible = [i for i, n in enumerate(leaves) if isinstance(n, torch.fx.Node)] \
             if inductor_config.bw_outputs_user_visible else []
     out.meta["user_visible_output_idxs"] = visible
-    # the kernels' sources unvectorized: the wrapper's buffers are the same, in 60% of the time
-    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}):
+    # the kernels' sources unvectorized: the wrapper's buffers are the same, in 60% of the time;
+    # no vector instructions, so none to find (the check of the CPU's, a C++ compiler run, is 3 s
+    # of a fresh process: pick_vec_isa finds none where simdlen is 0, and is told so here)
+    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}), \
+            unittest.mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa):
         view_to_reshape(gm)
         with torch.no_grad():
             fake_tensor_prop(gm, inputs)

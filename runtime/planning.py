@@ -245,7 +245,7 @@ def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None) -> "Exa
     prediction = CompiledPrediction(replay, compile_kwargs)
     replay.stand_in, replay.compiled = prediction.module, prediction
     replay.what, replay.unplanned_guess = prediction.what, None     # the profile's metered peak is eager's
-    for knob in ("rounds", "after_fit", "close_enough", "first_scale"):
+    for knob in ("rounds", "after_fit", "close_enough", "first_scale", "step_up"):
         setattr(replay, knob, getattr(prediction, knob))
     return replay
 

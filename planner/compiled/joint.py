@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import (autograd_cache_off, compile_failure_cause, partitioner, pytree, partitioner_installed,
-                                  vector_isa_checked)
+from remat.planner.compat import autograd_cache_off, compile_failure_cause, partitioner, pytree, partitioner_installed
 from remat.planner.capture.trace import OUTPUT
 
 KEY = "remat"       # node.meta["custom"][KEY]: the traced graph's node an aten node computes
@@ -114,15 +113,12 @@ def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None 
     kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k not in ("backend", "fullgraph")}
     compiled = torch.compile(gm, backend="inductor", fullgraph=True, **kwargs)
     t0 = time.process_time()
-    isa = vector_isa_checked()      # the wrappers' first need, found beside the capture (NOTE [ forked workers ])
-    try:
-        with partitioner_installed(keep), autograd_cache_off(), torch.enable_grad():
+    with partitioner_installed(keep), autograd_cache_off(), torch.enable_grad():
+        try:
             compiled(**inputs)
-    except Exception as e:
-        if not isinstance(compile_failure_cause(e), _Stop) and not isinstance(e, _Stop):
-            raise
-    finally:
-        isa.join()
+        except Exception as e:
+            if not isinstance(compile_failure_cause(e), _Stop) and not isinstance(e, _Stop):
+                raise
     if keep.joint is None:
         raise RuntimeError("torch.compile made no joint graph (no parameter or input requires grad?)")
     j = keep.joint

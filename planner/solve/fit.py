@@ -312,7 +312,7 @@ def _fit(pb: _Problem) -> Choice:
                 limited = "limit" in choice.status
                 if pb.measure is None or (budget - predicted < close * budget and not limited):
                     break
-                if limited:
+                if limited or getattr(pb.measure, "step_up", False):   # a measure may always ask it
                     corrected = max(corrected, effective + budget - predicted)
                 elif corrected <= effective:
                     break

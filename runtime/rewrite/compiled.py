@@ -145,7 +145,7 @@ class CompiledPrediction:
     what = "the compiled step's partition, replayed on fake tensors"
     # the simulator models the eager step: the compiled one (min-cut recomputing cheap ops between
     # regions) departs from it plan by plan, so the budget correction takes more steps
-    rounds, after_fit, first_scale = 8, 2, 1.3
+    rounds, after_fit, first_scale, step_up = 8, 2, 1.3, True
     close_enough = 1 - USED         # a plan using the budget as the issue asks ends the search (NOTE [ the compiled fit ])
 
     def __init__(self, replay, compile_kwargs: dict | None = None):
