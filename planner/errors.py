@@ -19,7 +19,7 @@ class InfeasibleBudgetError(RematError):
     in `unit`, rounded up: typed back in as the budget, it fits."""
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, source: str = "", unit: str | None = "GB",
-                 asked: str = "", floor_plan: tuple | None = None):
+                 asked: str = "", floor_plans: tuple = ()):
         self.budget_bytes = int(budget_bytes)
         """The budget asked for, in bytes."""
         self.min_feasible_bytes = int(min_feasible_bytes)
@@ -27,8 +27,9 @@ class InfeasibleBudgetError(RematError):
         self.source, self.unit = source, unit
         self.asked = asked
         """The budget as the user wrote it where that was not a size ('40%'), else ''."""
-        self.floor_plan = floor_plan
-        """The regions of the plan whose peak `min_feasible_bytes` is, where the planner knows them."""
+        self.floor_plans = tuple(floor_plans)
+        """The plans the floor was found among, where the planner knows them: (peak bytes by
+        `source`, regions), least first (the first one's peak is `min_feasible_bytes`)."""
         floor = size_text(min_feasible_bytes, unit, round_up=True)
         budget = size_text(budget_bytes, unit)
         super().__init__(
@@ -39,13 +40,13 @@ class InfeasibleBudgetError(RematError):
 
     def __reduce__(self):
         return (type(self), (self.budget_bytes, self.min_feasible_bytes, self.source, self.unit, self.asked,
-                             self.floor_plan))
+                             self.floor_plans))
 
     def in_unit(self, unit: str | None, asked: str = "") -> "InfeasibleBudgetError":
         """The same error, its sizes printed in `unit` (the one the user wrote the budget in; None:
         the decimal unit that suits), and the budget as written (`asked`: '40%') beside its bytes."""
         return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.source, unit, asked or self.asked,
-                                     self.floor_plan)
+                                     self.floor_plans)
 
 
 class TraceError(RematError):

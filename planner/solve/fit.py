@@ -207,7 +207,7 @@ def _solve_plan(cg: CostGraph, budget_bytes: int, options: PlanOptions, opaque: 
         choice = _fit(pb)
     except InfeasibleBudgetError as e:
         raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, e.source or pb.source,
-                                    floor_plan=e.floor_plan) from None
+                                    floor_plans=e.floor_plans) from None
     if min_feasible is not None and measure is not None:     # one replayed number: NOTE [ one floor ]
         min_feasible = min(choice.predicted, _replayed_floor(pb))
     elif min_feasible is not None:      # the simulator's, corrected as the budget was; never above a plan that fits
@@ -418,8 +418,8 @@ def _known_or_raise(pb: _Problem, effective: int, estimate: int) -> Choice:
         if k == "none":
             return Choice((), "none", "fits without checkpointing when replayed exactly", 0.0, p, effective)
         return Choice(pb.known[k], k, "known plan that fits when replayed exactly", float("nan"), p, effective)
-    floor = min(((p, r) for r, p in replayed.values()), default=(estimate, None), key=lambda pr: pr[0])
-    raise InfeasibleBudgetError(pb.budget, floor[0], pb.source, floor_plan=floor[1])
+    floors = tuple(sorted(((p, r) for r, p in replayed.values()), key=lambda pr: pr[0]))
+    raise InfeasibleBudgetError(pb.budget, floors[0][0] if floors else estimate, pb.source, floor_plans=floors)
 
 
 def _choose(pb: _Problem, budget_bytes: int) -> Choice:
