@@ -268,7 +268,7 @@ def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None) -> "Exa
 # NOTE [ the compiled fit ]
 # The fit's budget correction (planner/solve/fit.py NOTE [ budget correction ]) runs more rounds for
 # the compiled step (`CompiledPrediction.rounds`, `after_fit`): the compiled peak departs from the
-# simulator's plan by plan. Four things make it cheaper:
+# simulator's plan by plan. These make it cheaper:
 # - No polish by the flat ILP after the hierarchical solve (`SolveOptions.polish`): its CBC run was
 #   most of each round (the built-in GPT-2 of 6 layers: 38 -> 27 s at 50%, 39 -> 26.5 at 70%, 34 ->
 #   23 at 90% on a 2-core machine), and it changed none of the plans of that GPT-2 at 50/70/90%, the
@@ -325,8 +325,8 @@ def solve_compiled(cg, budget_bytes: int, options: PlanOptions, opaque, measure:
 # measured (the known plans: every block, the least-peak plan, ...) are checked instead, and the
 # least checked peak, over the budget, is the floor the refusal names, as the fit with every plan
 # checked would name it (the model ranks them differently: the U-Net's least modelled plan checks
-# at 15.25 MB, another at 13.83). The ResNet at 50% on 2 cores: refused in 39.7 s with every
-# plan checked, in 15 s so.
+# at 15.25 MB, another at 13.83). The ResNet at 50% on 2 cores, in a fresh process: refused in
+# 39.7 s with every plan checked, in 27.6 s so (benchmarks/results/compile-plan-time.md).
 FAR_BELOW = 0.1
 
 
