@@ -44,6 +44,12 @@ def cores() -> int:
     return n if n > 1 else 0
 
 
+def forks_for(devices: set[str]) -> bool:
+    """Whether work on tensors (fake ones included) of these device types runs in forked workers
+    here: on CPU only (a forked child cannot use CUDA), with two cores or more."""
+    return cores() > 1 and devices <= {"cpu"}
+
+
 def _child(send, fn, args) -> None:
     torch.set_num_threads(1)
     os.nice(NICE)

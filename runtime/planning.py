@@ -379,7 +379,7 @@ def _compiled(s: Setting, budget: StepBudget, book: PlanBook, a: Analysis, measu
 def _unplanned_noted(p: Plan, measure: "ExactReplay") -> Plan:
     """`p` with the step without checkpointing's peak: checked where it was (a '%' budget, or a plan
     of no regions), else modelled, and a note saying so."""
-    if () in measure.compiled.checks or () in measure.compiled.started:
+    if () in measure.compiled.checks:
         return replace(p, unplanned_peak_bytes=compiled_unplanned(measure))
     return replace(p, unplanned_peak_bytes=measure(()),
                    notes=p.notes + ("unplanned peak: modelled (the compiled step's partition, not checked)",))

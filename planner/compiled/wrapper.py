@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from remat.planner.compat import (allocation_events, compute_required_storage_length, donates_buffers,
                                   inductor_wrapper, storage_key)
-from remat.planner.workers import cores, started
+from remat.planner.workers import forks_for, started
 
 from .memory import GraphMemory, workspace
 
@@ -105,7 +105,7 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     def both():
         forward, strides = wrapper_memory(fw, static, set(), visible, kernels=kernels[0])
         return forward, again(strides)[0]
-    here = cores() < 2 or not devices <= {"cpu"}
+    here = not forks_for(devices)
     if here or alongside:
         return started(both, here=here)
     fwd = started(wrapper_memory, fw, static, set(), visible, False, None, (), kernels[0])

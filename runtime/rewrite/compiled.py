@@ -27,7 +27,7 @@ from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
-from remat.planner.workers import cores
+from remat.planner.workers import forks_for
 
 from ..measure import peak_memory, preserved, training_loss
 
@@ -156,19 +156,19 @@ class CompiledPrediction:
         self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
         self.started: dict[tuple, object] = {}      # checks running (NOTE [ forked workers ])
-        self.forks = cores() > 1 and all(t.device.type == "cpu" for t in self.joint.inputs if isinstance(t, torch.Tensor))
+        self.forks = forks_for({t.device.type for t in self.joint.inputs if isinstance(t, torch.Tensor)})
 
     def _partition(self, regions: tuple) -> tuple[fx.GraphModule, fx.GraphModule]:
         if regions not in self.partitions:
             self.partitions[regions] = partition(self.joint, decisions(regions, self.replay.names))
         return self.partitions[regions]
 
-    def start(self, regions) -> None:
+    def start(self, regions, alongside: bool = True) -> None:
         """The check of `regions` started, to run while this process goes on (in forked workers,
-        where it can: planner.workers); `checked` collects it."""
+        where it can: planner.workers; `alongside`: in one of them); `checked` collects it."""
         regions = tuple(regions)
         if regions not in self.started and (regions, True) not in self.steps:
-            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=True)
+            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=alongside)
 
     def speculate(self, regions) -> None:
         """The check of `regions`, the fit's best plan so far, started (NOTE [ the best so far ]
@@ -180,8 +180,7 @@ class CompiledPrediction:
             return
         for r in [r for r in self.started if r not in ((), regions)]:
             self.started.pop(r).cancel()
-        if regions not in self.started and (regions, True) not in self.steps:
-            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=False)
+        self.start(regions, alongside=False)
 
     def step(self, regions, wrapper: bool = False) -> CompiledStep:
         """The plan's compiled step, its buffers modelled, or with `wrapper` checked (NOTE [ the
