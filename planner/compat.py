@@ -38,7 +38,7 @@ __all__ = ["CHECKED_ON", "CachedTorchDispatchMode", "CachingTorchDispatchMode", 
            "TotalFlops", "clear_cublas_workspaces", "current_fake_mode", "fake_cache_off", "disable_current_modes", "schedule_microbatches", "schedule_stages", "schedule_rank_order", "stage_backward_input", "stage_backward_weight", "stage_input_metas", "fake_store", "force_original_view_tracking", "functorch_active", "tensor_use_count", "storage_use_count", "view_base",
            "is_custom_op_class", "keystr", "make_contiguous_strides_for", "suggest_memory_format", "tree_flatten",
            "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_with_path", "tree_unflatten",
-           "partitioner", "partitioner_installed", "min_cut_partition", "lazy_graph_module", "autograd_cache_off", "storage_key", "compile_failure_cause",
+           "partitioner", "inductor_compile", "inductor_mode_options", "min_cut_partition", "lazy_graph_module", "autograd_cache_off", "storage_key", "compile_failure_cause",
            "inductor_layout_opt", "inductor_wrapper", "allocation_events"]
 
 
@@ -204,9 +204,15 @@ def held_elsewhere(t: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- torch.compile's partitioner
 # (planner/compiled/: the joint graph Inductor partitions, remat's decisions as its recompute tags)
+def inductor_mode_options(mode: str, dynamic: bool | None) -> dict:
+    """Inductor's config for torch.compile's `mode` (torch._inductor.list_mode_options)."""
+    import torch._inductor
+    return torch._inductor.list_mode_options(mode, dynamic)
+
+
 def partitioner(fn):
     """`fn` (a callable with `uuid()`) as Inductor's custom partitioner, which it calls on the joint
-    graph after its own joint-graph passes (`partitioner_installed`, or torch.compile's options):
+    graph after its own joint-graph passes (Inductor's config `custom_partitioner_fn`):
     its class registered as a torch._inductor.custom_graph_pass.CustomPartitionerFn, which Inductor
     asserts. Registered at use, not subclassed, so that importing remat does not import Inductor
     (0.35 s of every process's start)."""
@@ -215,10 +221,15 @@ def partitioner(fn):
     return fn
 
 
-def partitioner_installed(partitioner):
-    """Inductor's config with `partitioner` as its `custom_partitioner_fn` (a context manager)."""
-    import torch._inductor.config as inductor_config
-    return inductor_config.patch(custom_partitioner_fn=partitioner)
+def inductor_compile(gm, inputs: list, options: dict):
+    """`gm` (its parameters and buffers its own: AOTAutograd lifts them as the joint graph's first
+    inputs, in `named_parameters(remove_duplicate=False)` then `named_buffers` order) compiled by
+    Inductor for `inputs`, with Inductor's config `options` (a partitioner among them): what
+    torch.compile's Inductor backend does with the graph Dynamo captures
+    (torch._inductor.compile_fx.compile_fx), on a graph that needs no Dynamo capture. Returns the
+    compiled callable, called with the inputs, returning the graph's outputs."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, inputs, config_patches=options)
 
 
 def min_cut_partition(gm, joint_inputs, **kwargs):

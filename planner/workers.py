@@ -6,6 +6,8 @@ or `REMAT_WORKERS=1`, both run the calls in this process, one after another.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -34,6 +36,30 @@ import torch
 
 FORK = "fork" in multiprocessing.get_all_start_methods()
 NICE = 5
+
+
+# NOTE [ the heap frozen ]
+# Compile mode's planning (the capture, the fit's partitions, the checks) makes millions of
+# Python objects (fx nodes, Inductor's IR), and each of Python's cyclic collections of its oldest
+# generation scans the whole heap again: the model, torch's modules, the traced graph, all of it
+# alive until the plan is made. `heap_frozen` moves what is alive when planning starts to the
+# collector's permanent generation (`gc.freeze`) for its length: collections then scan only what
+# planning made, and a forked worker does not write the collector's marks into the pages it
+# shares with this process (copies of them). The GPT-2 of 6 layers, compile mode at its halfway
+# budget on 2 cores: the joint graph's capture 5.4-6.8 s -> 4.3-4.6 s ... After, `gc.unfreeze`
+# returns it to the collector: garbage among it (a cycle that died meanwhile) is collected then.
+@contextlib.contextmanager
+def heap_frozen():
+    """Inside, the objects alive at its start are exempt from cyclic collection (NOTE [ the heap
+    frozen ]); nested, the outermost unfreezes."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def cores() -> int:

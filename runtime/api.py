@@ -291,9 +291,8 @@ def plan_and_wrap(model: torch.nn.Module, budget_gb=None, *, example_inputs=None
     gradient accumulation (every gradient live from its start).
 
     `compile=True` (or a dict of `torch.compile` keyword arguments) plans for the compiled step
-    and trains with it: the rewritten graph is compiled whole (plain regions only), and each plan
-    tried is compiled and measured with real steps on the example inputs, since Inductor decides
-    what else to save; the plan's predicted peak is that measured peak. `schedule` (GPipe, 1F1B,
+    and trains with it: the traced graph compiled whole by Inductor, the plan as its partitioner's
+    tags; plans are predicted on fake tensors and checked by Inductor's memory plan (docs/compile.md). `schedule` (GPipe, 1F1B,
     interleaved, zero bubble, V; `model` runs a stage of it): the rank's step is planned (docs/pipeline.md).
 
     `time=True` (with example inputs) also times the planned step against the unplanned one on

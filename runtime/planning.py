@@ -22,10 +22,10 @@ from remat.planner.solve.fit import DEFAULT_ROUNDS, reuse_plan, unplanned_peak_b
 from remat.planner.profile.graph import compute_nodes
 from remat.planner.result import Plan
 from remat.planner.step.rng import rng_preserved
+from remat.planner.workers import cores, heap_frozen
 from remat.planner.solve.simulate import base_liveness
 from remat.planner.step.state import state_preserved, training_modes
 from remat.planner.step.fake import describe
-from remat.planner.workers import cores
 from remat.planner.capture.trace import Traced, cache_off, capture
 
 from . import plan_cache
@@ -187,7 +187,8 @@ def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs
         a = replace(a, cost_graph=rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs))
     measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
     if s.compile is not None:       # '%' of the compiled step without checkpointing, predicted
-        return _compiled(s, budget, book, a, compiled_measure(measure, s.compile))
+        with heap_frozen():
+            return _compiled(s, budget, book, a, compiled_measure(measure, s.compile))
     # '%' of the step without checkpointing: a pipeline rank's is its whole schedule.step, replayed
     budget_bytes = budget.resolve(measure(()) if s.options.pipeline else unplanned_peak_bytes(a.cost_graph, s.options))
     return _solved(s, book, a, budget_bytes, args, kwargs, measure)

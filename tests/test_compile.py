@@ -125,3 +125,54 @@ def test_a_budget_far_below_the_compiled_floor_is_refused_after_checking_the_kno
     assert e.value.min_feasible_bytes == floors[0][0] == min(p for p, _ in floors)
     plan = _compiled(e.value.min_feasible_bytes / 1e9)[3].remat.plan
     assert plan.predicted_peak_bytes <= e.value.min_feasible_bytes
+
+
+def _signature(gm) -> list[tuple]:
+    """A joint graph node by node: op, target, shape, dtype and the traced node it computes."""
+    out = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        out.append((n.op, str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+                    v.dtype if isinstance(v, torch.Tensor) else None, n.meta.get("custom", {}).get("remat")))
+    return out
+
+
+@inductor_config.patch(fallback_random=True)
+def test_the_joint_graph_planned_is_the_one_trained_and_a_tied_weight_trains_like_eager(monkeypatch):
+    """NOTE [ one compile, no Dynamo ]: the plan's capture and the training model compile the traced
+    graph through one call, so the training compile's partitioner is handed the joint graph the
+    plan was made on, node for node. The GPT-2 ties its lm_head to its embedding: the weight is two
+    of the compiled step's inputs, and its gradient (both uses') equals eager's."""
+    from remat.planner.compiled import joint as joint_module, tags
+    ex = examples.gpt2(n_layer=2, d_model=32, n_head=2, seq_len=32, batch=8, vocab=64)
+    ref, model = copy.deepcopy(ex.model), copy.deepcopy(ex.model)
+    captured, trained = [], []
+    keep = joint_module.capture_joint
+    monkeypatch.setattr("remat.runtime.rewrite.compiled.capture_joint",
+                        lambda *a, **k: captured.append(keep(*a, **k)) or captured[-1])
+    partition = tags.Tagged.__call__
+    monkeypatch.setattr(tags.Tagged, "__call__", lambda self, gm, *a, **k: trained.append(_signature(gm))
+                        or partition(self, gm, *a, **k))
+    wrapped = plan_and_wrap(model, "80%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST, compile=True)
+    assert wrapped.remat.plan.regions
+    assert model.lm_head.weight is model.wte.weight
+    planned = _signature(captured[0].gm)
+    compiled, eager = _step(wrapped, ex), _step(ref, ex)
+    assert trained == [planned]
+    torch.testing.assert_close(compiled, eager)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_arguments_become_inductors_config():
+    """`compile=` takes torch.compile's keywords: `mode`'s options, then `options`; another backend
+    or an argument Inductor's backend has no use for is refused, saying what to do."""
+    from remat.planner.compiled.joint import options
+    assert options(None) == {}
+    assert options({"mode": "max-autotune-no-cudagraphs", "options": {"max_autotune": False}}) == \
+        {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "max_autotune": False}
+    assert options({"dynamic": False, "fullgraph": True, "backend": "inductor"}) == {}
+    with pytest.raises(ValueError, match="drop the backend"):
+        options({"backend": "aot_eager"})
+    with pytest.raises(ValueError, match="not \\['disable'\\]"):
+        options({"disable": True})

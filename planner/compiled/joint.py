@@ -1,13 +1,15 @@
 """The joint forward/backward graph Inductor partitions, captured on fake tensors.
 
 `annotated(gm)` is the traced model with each node's ops named after it: every node runs inside
-`torch.fx.traceback.annotate({"remat": name})`, which Dynamo and AOTAutograd carry to the aten
-nodes of the joint graph as `node.meta["custom"]["remat"]`. A plan's decisions, made over the
-traced graph's nodes, are then tags on the joint graph's nodes (planner/compiled/tags.py).
+`torch.fx.traceback.annotate({"remat": name})`, which AOTAutograd carries to the aten nodes of the
+joint graph as `node.meta["custom"]["remat"]`. A plan's decisions, made over the traced graph's
+nodes, are then tags on the joint graph's nodes (planner/compiled/tags.py).
 
-`capture_joint` compiles the annotated graph with Inductor's backend and a partitioner that keeps
-the joint graph and its partitioner arguments, then stops the compile (NOTE [ the joint graph,
-captured ]).
+`compiled(gm, inputs, compile_kwargs, partitioner)` is how compile mode compiles the traced graph,
+for training and for planning alike: Inductor's backend called on the annotated graph itself, with
+no Dynamo capture (NOTE [ one compile, no Dynamo ]). `capture_joint` is that compile with a
+partitioner that keeps the joint graph and its partitioner arguments, then stops it (NOTE [ the
+joint graph, captured ]).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import autograd_cache_off, compile_failure_cause, partitioner, pytree, partitioner_installed
+from remat.planner.compat import (autograd_cache_off, compile_failure_cause, inductor_compile, inductor_mode_options,
+                                  partitioner, pytree)
 from remat.planner.capture.trace import OUTPUT
 
 KEY = "remat"       # node.meta["custom"][KEY]: the traced graph's node an aten node computes
@@ -52,8 +55,76 @@ def annotated(gm: fx.GraphModule) -> fx.GraphModule:
         else:
             env[n] = g.node_copy(n, env.__getitem__)
     out = fx.GraphModule(gm, g)
+    # the traced graph's submodules, parameters and buffers, as its own (the same objects, in its order)
+    out._modules, out._parameters, out._buffers = dict(gm._modules), dict(gm._parameters), dict(gm._buffers)
+    out._non_persistent_buffers_set = set(gm._non_persistent_buffers_set)
     out.meta = dict(getattr(gm, "meta", {}))
     return out
+
+
+# NOTE [ one compile, no Dynamo ]
+# The traced graph is already a whole graph of the step (planner/capture), so compile mode hands it
+# to Inductor's backend itself (planner.compat `inductor_compile`: compile_fx, AOTAutograd then
+# Inductor), as torch.compile does with the graph Dynamo captures, without Dynamo's capture of it
+# again: 2.5-3 s of the built-in GPT-2 of 6 layers' 6.7-7.7 s capture on 2 cores. The graph given
+# is `flat(gm, inputs)`: the annotated graph with the example's non-tensor inputs as constants (a
+# compile specializes them; a call with others is planned as another call), returning its
+# output's tensors as a tuple (the output's structure is rebuilt around the compiled call); its
+# parameters and buffers are the joint graph's first inputs, in `named_parameters(remove_duplicate=
+# False)` then `named_buffers` order (a tied weight twice: each use's gradient its own output,
+# summed as autograd accumulates them). The plan's capture (`capture_joint`) and the training
+# model (runtime/rewrite/compiled.py) both compile through `compiled`: the joint graph planned is
+# the joint graph trained, by construction.
+def flat(gm: fx.GraphModule, inputs: dict) -> tuple[fx.GraphModule, list[str]]:
+    """`annotated(gm)` as compile mode compiles it (NOTE [ one compile, no Dynamo ]), and the names
+    of its inputs, in order: `inputs`' tensors."""
+    out = annotated(gm)
+    g = out.graph
+    names = []
+    for n in list(g.find_nodes(op="placeholder")):
+        v = inputs.get(n.target)
+        if isinstance(v, torch.Tensor):
+            names.append(n.target)
+            continue
+        for u in list(n.users):
+            u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: v if a is n else a)
+        g.erase_node(n)
+    leaves, _, structured = output_leaves(out)
+    end = g.find_nodes(op="output")[0]
+    made = end.args[0]
+    with g.inserting_before(end):
+        g.output(tuple(x for x in leaves if isinstance(x, fx.Node)))
+    g.erase_node(end)
+    if structured:
+        g.erase_node(made)
+    out.recompile()
+    return out, names
+
+
+def options(compile_kwargs: dict | None) -> dict:
+    """Inductor's config for `compile_kwargs` (torch.compile's keywords: `mode`'s options, then
+    `options`); ValueError for another backend. `dynamic` and `fullgraph` change nothing: the graph
+    is whole, its sizes the call's (each call's sizes are planned and compiled on their own)."""
+    kwargs = dict(compile_kwargs or {})
+    backend = kwargs.pop("backend", "inductor")
+    if backend != "inductor":
+        raise ValueError(f"compile mode compiles with Inductor, not backend={backend!r}: drop the backend argument")
+    unknown = set(kwargs) - {"mode", "options", "dynamic", "fullgraph"}
+    if unknown:
+        raise ValueError(f"compile mode takes torch.compile's mode, options, dynamic and fullgraph, not {sorted(unknown)}")
+    mode = kwargs.get("mode")
+    return {**(inductor_mode_options(mode, kwargs.get("dynamic")) if mode else {}),
+            **(kwargs.get("options") or {})}
+
+
+def compiled(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None, partition) -> tuple[object, list[str]]:
+    """The traced graph `gm` compiled by Inductor for `inputs` (by name), `partition` its
+    partitioner (NOTE [ one compile, no Dynamo ]): the compiled callable, called with the inputs
+    named second, in order, and returning the tuple of the output's tensors (`output_leaves`)."""
+    graph, names = flat(gm, inputs)
+    config = {**options(compile_kwargs), "custom_partitioner_fn": partitioner(partition)}
+    with torch.enable_grad():
+        return inductor_compile(graph, [inputs[k] for k in names], config), names
 
 
 @dataclass
@@ -88,14 +159,6 @@ class _Keep:
         return self         # torch copies Inductor's config to log it: not the joint graph held here
 
 
-# NOTE [ the joint graph, captured ]
-# The partitioner sees the graph Inductor compiles: Dynamo's capture, AOTAutograd's joint trace
-# with Inductor's decompositions, and Inductor's joint-graph passes (pattern rewrites; dropout's
-# draws become `inductor_random` of a seed, so a recompute draws the same numbers). Capturing it
-# through Inductor's own hook, rather than tracing with our own decompositions, makes the graph we
-# plan on the graph the training compile partitions. Dynamo and AOTAutograd trace on fake tensors
-# made from the model's: nothing runs, no memory of the step is needed, and a model on `meta`
-# works too. The compile is stopped by an exception from the partitioner, caught here.
 def output_leaves(gm: fx.GraphModule) -> tuple[list, object, bool]:
     """The leaves of `gm`'s output, their pytree spec, and whether the output is an exported graph's
     structure (the `OUTPUT` module, planner/capture/trace.py), whose arguments the leaves are:
@@ -106,16 +169,22 @@ def output_leaves(gm: fx.GraphModule) -> tuple[list, object, bool]:
     return leaves, spec, structured
 
 
+# NOTE [ the joint graph, captured ]
+# The partitioner sees the graph Inductor compiles: AOTAutograd's joint trace of the traced graph
+# with Inductor's decompositions, and Inductor's joint-graph passes (pattern rewrites; dropout's
+# draws become `inductor_random` of a seed, so a recompute draws the same numbers). Capturing it
+# through Inductor's own hook, rather than tracing with our own decompositions, makes the graph we
+# plan on the graph the training compile partitions. AOTAutograd traces on fake tensors made from
+# the model's: nothing runs, and no memory of the step is needed. The compile is stopped by an
+# exception from the partitioner, caught here.
 def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None = None) -> Joint:
-    """The joint graph of `gm(**inputs)`'s forward and backward as Inductor partitions it
-    (`gm` annotated: `annotated`). Raises what the compile raised if it stopped elsewhere."""
-    keep = partitioner(_Keep())
-    kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k not in ("backend", "fullgraph")}
-    compiled = torch.compile(gm, backend="inductor", fullgraph=True, **kwargs)
+    """The joint graph of the traced graph `gm`'s forward and backward on `inputs` (by name), as
+    Inductor partitions it (`compiled`). Raises what the compile raised if it stopped elsewhere."""
+    keep = _Keep()
     t0 = time.process_time()
-    with partitioner_installed(keep), autograd_cache_off(), torch.enable_grad():
+    with autograd_cache_off():
         try:
-            compiled(**inputs)
+            compiled(gm, inputs, compile_kwargs, keep)
         except Exception as e:
             if not isinstance(compile_failure_cause(e), _Stop) and not isinstance(e, _Stop):
                 raise
@@ -127,4 +196,3 @@ def capture_joint(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None 
     j.seconds = time.process_time() - t0
     j.names = frozenset(n.meta.get("custom", {}).get(KEY) for n in j.gm.graph.nodes) - {None}
     return j
-

@@ -1,7 +1,8 @@
 """Plans for torch.compile: the step that runs is Inductor's, partitioned under the plan's tags.
 
-The compiled model is the traced graph, each node's ops annotated with its name
-(planner/compiled/joint.py), compiled by Inductor with a partitioner that tags the joint graph by
+The compiled model is the traced graph, each node's ops annotated with its name, compiled by
+Inductor's backend with no Dynamo capture (planner/compiled/joint.py `compiled`, NOTE [ one
+compile, no Dynamo ]: the plan's capture compiles the same way) with a partitioner that tags the joint graph by
 the plan before torch's min-cut partitioner runs (planner/compiled/tags.py `Tagged`): regions and
 selective-checkpointing policies alike become MUST_RECOMPUTE / MUST_SAVE tags, so the compiled
 step saves what the plan says.
@@ -23,7 +24,7 @@ import torch.fx as fx
 from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.solve.fit import USED
-from remat.planner.compiled.joint import annotated, capture_joint, output_leaves
+from remat.planner.compiled.joint import capture_joint, compiled, output_leaves
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
@@ -34,12 +35,31 @@ from ..measure import peak_memory, preserved, training_loss
 
 def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str, ...],
                     compile_kwargs: dict | None = None) -> torch.nn.Module:
-    """The model's traced graph compiled by Inductor under the plan `regions` (parameters, buffers
-    and children: the model's own objects)."""
-    kwargs = dict(compile_kwargs or {})
-    options = {**kwargs.pop("options", {}), "custom_partitioner_fn": tagged(decisions(tuple(regions), names))}
-    kwargs.pop("backend", None)
-    return torch.compile(annotated(analysis.traced.gm), backend="inductor", options=options, **kwargs)
+    """The model's traced graph compiled by Inductor under the plan `regions`, at its first call
+    (planner/compiled/joint.py `compiled`, as the plan's capture compiles it): a GraphModule on
+    the model's own parameters, buffers and children, called with the traced graph's inputs."""
+    gm, example = analysis.traced.gm, analysis.example_inputs
+    tensors = [n.target for n in gm.graph.find_nodes(op="placeholder") if isinstance(example.get(n.target), torch.Tensor)]
+    constants = {k: v for k, v in example.items() if k not in tensors}
+    return _around(gm, _Compiled(gm, tagged(decisions(tuple(regions), names)), compile_kwargs, tensors, constants),
+                   [f"input:{k}" for k in tensors])
+
+
+class _Compiled:
+    """A plan's compiled step, compiled at its first call: called with the traced graph's tensor
+    inputs `tensors` (by name, in order), the example's `constants` its other inputs."""
+
+    def __init__(self, gm: fx.GraphModule, partition, compile_kwargs: dict | None, tensors: list, constants: dict):
+        self.gm, self.partition, self.compile_kwargs = gm, partition, compile_kwargs
+        self.tensors, self.constants = tensors, constants
+        self.fn = None
+        self.__name__ = "remat_compiled_step"         # its node's name in the graph around it
+
+    def __call__(self, *tensors):
+        if self.fn is None:
+            inputs = {**self.constants, **dict(zip(self.tensors, tensors))}
+            self.fn, _ = compiled(self.gm, inputs, self.compile_kwargs, self.partition)
+        return self.fn(*tensors)
 
 
 # NOTE [ the compiled step's stand-in ]
@@ -95,40 +115,34 @@ def _runner(step: CompiledStep):
 
 
 def _sources(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> list[str]:
-    """Which parameter, buffer or input each of the compiled forward's inputs is (by name): the first
-    unused one of its shape, dtype and need of a gradient, else of its shape and dtype (same-shaped
-    ones are alike to memory; the stand-in's gradient of a tensor that needs none is dropped)."""
-    named = [(k, v) for k, v in (*gm.named_parameters(), *gm.named_buffers())] + \
-        [(f"input:{k}", v) for k, v in inputs.items() if isinstance(v, torch.Tensor)]
-    used: set[str] = set()
-    out = []
-    for m, g in zip(step.primals, step.grads):
-        want = None if m is None else (tuple(m[0]), m[2], g is not None)
-        name = next((k for k, v in named if k not in used and want == (tuple(v.shape), v.dtype, v.requires_grad)),
-                    None) or next((k for k, v in named if k not in used and want[:2] == (tuple(v.shape), v.dtype)), None)
-        if name is None:
-            raise NotImplementedError(f"the compiled graph's input {len(out)} ({want}) is no parameter, buffer or input "
-                                      "of the model")
-        used.add(name)
-        out.append(name)
+    """Which parameter, buffer or input each of the compiled forward's inputs is, by name: AOTAutograd's
+    order (NOTE [ one compile, no Dynamo ] in planner/compiled/joint.py), the inputs 'input:name'."""
+    out = [k for k, _ in gm.named_parameters(remove_duplicate=False)] + \
+        [k for k, _ in gm.named_buffers(remove_duplicate=False)] + \
+        [f"input:{n.target}" for n in gm.graph.find_nodes(op="placeholder")
+         if isinstance(inputs.get(n.target), torch.Tensor)]
+    if len(out) != len(step.primals):
+        raise NotImplementedError(f"the compiled graph takes {len(step.primals)} inputs, not the model's {len(out)} "
+                                  "parameters, buffers and tensor inputs")
     return out
 
 
 def stand_in(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> fx.GraphModule:
     """A GraphModule on `gm`'s parameters and inputs whose forward and backward are `_Stand`'s."""
+    return _around(gm, _runner(step), _sources(gm, step, inputs))
+
+
+def _around(gm: fx.GraphModule, call, sources: list[str]) -> fx.GraphModule:
+    """A GraphModule with `gm`'s inputs, parameters and buffers that calls `call` on `sources` (names of
+    parameters or buffers, 'input:name' for an input) and returns its outputs as `gm` returns
+    its output's tensors (planner/compiled/joint.py `output_leaves`: the rest as they are)."""
     g = fx.Graph()
     env = {n.target: g.node_copy(n, lambda a: None) for n in gm.graph.nodes if n.op == "placeholder"}
-    sources = _sources(gm, step, inputs)
     args = [env[s[6:]] if s.startswith("input:") else g.get_attr(s) for s in sources]
-    # the model's other tensors are resident too, though the compiled step does not take them as
-    # inputs (a buffer Inductor folds in as a constant: the HF Llama's rotary inv_freq, 64 B)
-    for name, _ in (*gm.named_parameters(), *gm.named_buffers()):
-        if name not in sources:
-            g.get_attr(name)
-    call = g.call_function(_runner(step), tuple(args))
+    made = g.call_function(call, tuple(args))
     leaves, spec, structured = output_leaves(gm)
-    made = iter(range(len(step.outputs)))
-    outs = pytree.tree_unflatten([g.call_function(_item, (call, next(made))) if isinstance(x, fx.Node) else x
+    n = iter(range(len(leaves)))
+    outs = pytree.tree_unflatten([g.call_function(_item, (made, next(n))) if isinstance(x, fx.Node) else x
                                   for x in leaves], spec)
     g.output(g.call_module(OUTPUT, tuple(outs)) if structured else outs)     # an exported graph's structure
     return fx.GraphModule(gm, g)
@@ -151,7 +165,7 @@ class CompiledPrediction:
     def __init__(self, replay, compile_kwargs: dict | None = None):
         self.replay = replay                        # the eager ExactReplay of the same analysis
         a = replay.analysis
-        self.joint = capture_joint(annotated(a.traced.gm), a.example_inputs, compile_kwargs)
+        self.joint = capture_joint(a.traced.gm, a.example_inputs, compile_kwargs)
         self.steps: dict[tuple, CompiledStep] = {}
         self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
