@@ -46,8 +46,9 @@ NICE = 5
 # collector's permanent generation (`gc.freeze`) for its length: collections then scan only what
 # planning made, and a forked worker does not write the collector's marks into the pages it
 # shares with this process (copies of them). The GPT-2 of 6 layers, compile mode at its halfway
-# budget on 2 cores: the joint graph's capture 5.4-6.8 s -> 4.3-4.6 s ... After, `gc.unfreeze`
-# returns it to the collector: garbage among it (a cycle that died meanwhile) is collected then.
+# budget on 2 cores, three runs each: the joint graph's capture 4.6 / 6.1 / 5.5 s -> 4.3 / 4.7 /
+# 4.4 s, the whole plan 12.9 / 16.8 / 15.4 s -> 13.4 / 14.5 / 12.9 s. After, `gc.unfreeze` returns
+# it to the collector: garbage among it (a cycle that died meanwhile) is collected then.
 @contextlib.contextmanager
 def heap_frozen():
     """Inside, the objects alive at its start are exempt from cyclic collection (NOTE [ the heap
