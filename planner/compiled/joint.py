@@ -75,16 +75,20 @@ def annotated(gm: fx.GraphModule) -> fx.GraphModule:
 # summed as autograd accumulates them). The plan's capture (`capture_joint`) and the training
 # model (runtime/rewrite/compiled.py) both compile through `compiled`: the joint graph planned is
 # the joint graph trained, by construction.
-def flat(gm: fx.GraphModule, inputs: dict) -> tuple[fx.GraphModule, list[str]]:
-    """`annotated(gm)` as compile mode compiles it (NOTE [ one compile, no Dynamo ]), and the names
-    of its inputs, in order: `inputs`' tensors."""
+def tensor_inputs(gm: fx.GraphModule, inputs: dict) -> list[str]:
+    """The names of `gm`'s inputs whose value in `inputs` is a tensor, in order: the compiled step's
+    inputs (NOTE [ one compile, no Dynamo ])."""
+    return [n.target for n in gm.graph.find_nodes(op="placeholder") if isinstance(inputs.get(n.target), torch.Tensor)]
+
+
+def flat(gm: fx.GraphModule, inputs: dict) -> fx.GraphModule:
+    """`annotated(gm)` as compile mode compiles it (NOTE [ one compile, no Dynamo ]): its inputs
+    `tensor_inputs(gm, inputs)`."""
     out = annotated(gm)
     g = out.graph
-    names = []
     for n in list(g.find_nodes(op="placeholder")):
         v = inputs.get(n.target)
         if isinstance(v, torch.Tensor):
-            names.append(n.target)
             continue
         for u in list(n.users):
             u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: v if a is n else a)
@@ -98,7 +102,7 @@ def flat(gm: fx.GraphModule, inputs: dict) -> tuple[fx.GraphModule, list[str]]:
     if structured:
         g.erase_node(made)
     out.recompile()
-    return out, names
+    return out
 
 
 def options(compile_kwargs: dict | None) -> dict:
@@ -117,14 +121,14 @@ def options(compile_kwargs: dict | None) -> dict:
             **(kwargs.get("options") or {})}
 
 
-def compiled(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None, partition) -> tuple[object, list[str]]:
+def compiled(gm: fx.GraphModule, inputs: dict, compile_kwargs: dict | None, partition):
     """The traced graph `gm` compiled by Inductor for `inputs` (by name), `partition` its
     partitioner (NOTE [ one compile, no Dynamo ]): the compiled callable, called with the inputs
-    named second, in order, and returning the tuple of the output's tensors (`output_leaves`)."""
-    graph, names = flat(gm, inputs)
+    `tensor_inputs(gm, inputs)`, in order, and returning the tuple of the output's tensors
+    (`output_leaves`)."""
     config = {**options(compile_kwargs), "custom_partitioner_fn": partitioner(partition)}
     with torch.enable_grad():
-        return inductor_compile(graph, [inputs[k] for k in names], config), names
+        return inductor_compile(flat(gm, inputs), [inputs[k] for k in tensor_inputs(gm, inputs)], config)
 
 
 @dataclass

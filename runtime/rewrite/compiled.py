@@ -2,8 +2,8 @@
 
 The compiled model is the traced graph, each node's ops annotated with its name, compiled by
 Inductor's backend with no Dynamo capture (planner/compiled/joint.py `compiled`, NOTE [ one
-compile, no Dynamo ]: the plan's capture compiles the same way) with a partitioner that tags the joint graph by
-the plan before torch's min-cut partitioner runs (planner/compiled/tags.py `Tagged`): regions and
+compile, no Dynamo ]: the plan's capture compiles the same way) with a partitioner that tags the
+joint graph by the plan before torch's min-cut partitioner runs (planner/compiled/tags.py `Tagged`): regions and
 selective-checkpointing policies alike become MUST_RECOMPUTE / MUST_SAVE tags, so the compiled
 step saves what the plan says.
 
@@ -24,7 +24,7 @@ import torch.fx as fx
 from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.solve.fit import USED
-from remat.planner.compiled.joint import capture_joint, compiled, output_leaves
+from remat.planner.compiled.joint import capture_joint, compiled, output_leaves, tensor_inputs
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
@@ -39,7 +39,7 @@ def compiled_module(model: torch.nn.Module, analysis, regions, names: tuple[str,
     (planner/compiled/joint.py `compiled`, as the plan's capture compiles it): a GraphModule on
     the model's own parameters, buffers and children, called with the traced graph's inputs."""
     gm, example = analysis.traced.gm, analysis.example_inputs
-    tensors = [n.target for n in gm.graph.find_nodes(op="placeholder") if isinstance(example.get(n.target), torch.Tensor)]
+    tensors = tensor_inputs(gm, example)
     constants = {k: v for k, v in example.items() if k not in tensors}
     return _around(gm, _Compiled(gm, tagged(decisions(tuple(regions), names)), compile_kwargs, tensors, constants),
                    [f"input:{k}" for k in tensors])
@@ -58,7 +58,7 @@ class _Compiled:
     def __call__(self, *tensors):
         if self.fn is None:
             inputs = {**self.constants, **dict(zip(self.tensors, tensors))}
-            self.fn, _ = compiled(self.gm, inputs, self.compile_kwargs, self.partition)
+            self.fn = compiled(self.gm, inputs, self.compile_kwargs, self.partition)
         return self.fn(*tensors)
 
 
@@ -118,9 +118,7 @@ def _sources(gm: fx.GraphModule, step: CompiledStep, inputs: dict) -> list[str]:
     """Which parameter, buffer or input each of the compiled forward's inputs is, by name: AOTAutograd's
     order (NOTE [ one compile, no Dynamo ] in planner/compiled/joint.py), the inputs 'input:name'."""
     out = [k for k, _ in gm.named_parameters(remove_duplicate=False)] + \
-        [k for k, _ in gm.named_buffers(remove_duplicate=False)] + \
-        [f"input:{n.target}" for n in gm.graph.find_nodes(op="placeholder")
-         if isinstance(inputs.get(n.target), torch.Tensor)]
+        [k for k, _ in gm.named_buffers(remove_duplicate=False)] + [f"input:{k}" for k in tensor_inputs(gm, inputs)]
     if len(out) != len(step.primals):
         raise NotImplementedError(f"the compiled graph takes {len(step.primals)} inputs, not the model's {len(out)} "
                                   "parameters, buffers and tensor inputs")
