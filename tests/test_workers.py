@@ -136,8 +136,8 @@ def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch)
 
 def test_the_heap_is_frozen_inside_and_given_back_after():
     """NOTE [ the heap frozen ]: inside, what was alive at its start is in the collector's permanent
-    generation; nested, the inner one leaves it there; after, none is, and a cycle made inside
-    is collected as before."""
+    generation; nested, the inner one neither freezes more nor gives it back; after, none is, and
+    a cycle made inside is collected as before."""
     import gc
     import weakref
     from remat.planner.workers import heap_frozen
@@ -148,9 +148,10 @@ def test_the_heap_is_frozen_inside_and_given_back_after():
     with heap_frozen():
         frozen = gc.get_freeze_count()
         assert frozen > 0
+        # a frozen object that dies leaves the count (another test's, under xdist): it only falls
         with heap_frozen():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert 0 < gc.get_freeze_count() <= frozen      # not frozen again, not given back
+        assert 0 < gc.get_freeze_count() <= frozen
         a, b = Node(), Node()
         a.other, b.other = b, a
         gone = weakref.ref(a)
