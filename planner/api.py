@@ -1,6 +1,7 @@
 """plan(): trace -> profile -> CostGraph -> ILP -> simulated Plan, for reports and CI checks."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ from remat.planner.step.storage import region_state_bytes
 from remat.planner.capture.check import check_capture, skipped
 from remat.planner.capture.trace import Traced, capture
 from remat.planner.step.workspace import workspace_bytes
+from remat.planner.workers import forks_for, started
 
 log = logging.getLogger("remat.planner")
 
@@ -43,7 +45,7 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
             rates: DeviceRates | None = None, *, keep_output: bool = False,
             deterministic_ops: frozenset = frozenset(), optimizer: torch.optim.Optimizer | None = None,
             accumulation_steps: int = 1, target_device: str | None = None, cost_model: str = "auto",
-            overheads: OverheadProbe | None = None) -> Analysis:
+            overheads: OverheadProbe | None = None, beside=None) -> Analysis:
     """Trace and profile `model(*example_inputs, **example_kwargs)` (then `loss_fn`, backward,
     and `optimizer.step()` when an optimizer is given: its state and its step's temporaries are
     measured on fake tensors, planner/step/optimizer.py, for a step on `target_device`). With
@@ -58,15 +60,16 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     statistics; a graph bakes the mode in), and its modes are restored afterwards. A model in
     train mode is profiled in the modes of its modules as they are (a BatchNorm frozen in eval
     stays frozen). Nothing of the user's model changes: RNG states, buffers and modes are as
-    they were."""
+    they were. `beside(gm, named inputs)`: work on the captured graph that runs here while a
+    forked worker profiles it (NOTE [ the profile, beside ])."""
     args, kwargs = _checked_arguments(model, example_inputs, example_kwargs, accumulation_steps, optimizer)
     t0 = time.perf_counter()
     times = {"capture": 0.0, "check": 0.0, "profile": 0.0}
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced, checked, named, examples, fake_loss, cg = _captured_and_profiled(
-            model, args, kwargs, loss_fn, times, lambda gm, named, loss, opaque, examples, fixed: profile(
-                gm, named, loss, rates, opaque, examples, keep_output, frozenset(deterministic_ops), cost_model,
-                overheads, fixed))
+            model, args, kwargs, loss_fn, times, functools.partial(
+                _profile, rates=rates, keep_output=keep_output, deterministic_ops=frozenset(deterministic_ops),
+                cost_model=cost_model, overheads=overheads), beside)
     _refuse_double_backward_through_opaque(traced, cg)
     _say_how(model, traced)
     if optimizer is not None:
@@ -113,15 +116,54 @@ def _checked_arguments(model, example_inputs, example_kwargs, accumulation_steps
     return args, kwargs
 
 
-def _captured_and_profiled(model, args, kwargs, loss_fn, times: dict, run_profile):
+def _profile(gm, named, loss_fn, opaque, examples, fixed, **how) -> CostGraph:
+    return profile(gm, named, loss_fn, how["rates"], opaque, examples, how["keep_output"], how["deterministic_ops"],
+                   how["cost_model"], how["overheads"], fixed)
+
+
+# NOTE [ the profile, beside ]
+# Compile mode captures the joint graph of the traced graph (planner/compiled/joint.py: seconds of
+# AOTAutograd and Inductor's joint passes), which needs the traced graph only, not its profile. So
+# where workers fork (planner/workers.py) the profile of a graph with no opaque module runs in a
+# forked worker while `beside` (that capture) runs here: the profile is a pure function of the
+# graph, its inputs and the loss, on fake tensors, and sends back a CostGraph (plain data). The
+# built-in GPT-2 of 6 layers on 2 cores: its 0.8 s profile off the path to the plan. A profile the
+# worker could not finish (a loss or a module fake tensors cannot run) runs again here, as
+# without a worker, and `beside` is the caller's to redo when the graph it was given is not the
+# one analysed (`Analysis.traced.gm`).
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+def _profiled_beside(traced: Traced, named: dict, loss_fn, run_profile, beside, times: dict) -> CostGraph | None:
+    """`run_profile` of `traced` in a forked worker while `beside(gm, named)` runs here (NOTE
+    [ the profile, beside ]); None where it cannot or did not profile there (to run here)."""
+    devices = {t.device.type for t in tree_flatten(named)[0] if isinstance(t, torch.Tensor)}
+    if beside is None or traced.opaque or not forks_for(devices):
+        return None
+    job = started(_timed, run_profile, traced.gm, named, loss_fn, (), {}, dict(traced.fixed))
+    beside(traced.gm, named)
+    try:
+        cg, times["profile"] = job.result()
+    except Exception:       # noqa: BLE001  (a loss or module fake tensors cannot run: handled here, as without a worker)
+        return None
+    return cg
+
+
+def _captured_and_profiled(model, args, kwargs, loss_fn, times: dict, run_profile, beside=None):
     """Capture (checked) and profile, until the profile runs: a loss fake tensors cannot run is
     measured for real, a module they cannot run becomes opaque (or the graph is captured again
     with it as a leaf). Returns (traced, check result, named inputs, opaque examples, the loss
-    measured for real or None, the CostGraph); `times` gets each stage's seconds."""
+    measured for real or None, the CostGraph); `times` gets each stage's seconds. `beside`: run
+    on the first graph captured, beside its profile (NOTE [ the profile, beside ])."""
     fake_loss = None
     skip: dict[str, str] = {}      # capture paths whose graph failed the capture check, and why
     traced, checked = _checked_capture(model, args, kwargs, None, skip, times)
     named = traced.inputs(model, args, kwargs)
+    cg = _profiled_beside(traced, named, loss_fn, run_profile, beside, times)
+    if cg is not None:
+        return traced, checked, named, {}, fake_loss, cg
     while True:
         opaque = tuple(m for m, _ in traced.opaque)
         examples = real_inputs(traced.gm, named, opaque) if opaque else {}
@@ -233,12 +275,13 @@ def _step_dtypes(model: torch.nn.Module) -> set:
 
 
 def analyze_for(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn, options: PlanOptions,
-                optimizer: torch.optim.Optimizer | None = None, overheads: OverheadProbe | None = None) -> Analysis:
+                optimizer: torch.optim.Optimizer | None = None, overheads: OverheadProbe | None = None,
+                beside=None) -> Analysis:
     """`analyze` with what `options` says about the step (rates, output, ops, accumulation)."""
     return analyze(model, args, kwargs, loss_fn, options.device_rates(), keep_output=options.keep_output,
                    deterministic_ops=options.deterministic_ops, optimizer=optimizer,
                    accumulation_steps=options.accumulation_steps, target_device=options.target_device,
-                   cost_model=options.cost_model, overheads=overheads)
+                   cost_model=options.cost_model, overheads=overheads, beside=beside)
 
 
 def plan(model: torch.nn.Module, budget, *, example_inputs=None, example_kwargs=None,

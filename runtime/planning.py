@@ -6,6 +6,7 @@ the compiled step in compile mode (runtime.rewrite.compiled). Each returns an `E
 (runtime.book) and whether a solve made it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -34,7 +35,7 @@ from .budget import StepBudget
 from .distributed.pipeline import rank_graph, rank_peak
 from .measure import dry_run_peak
 from .rewrite import REGION_PROBE, plan_modules, rewrite, rewrite_plan
-from .rewrite.compiled import Checked, CompiledPrediction, compiled_module
+from .rewrite.compiled import Checked, CompiledPrediction, JointBeside, compiled_module
 from .signature import call_key
 
 log = logging.getLogger("remat.runtime")
@@ -178,17 +179,20 @@ def _cached(s: Setting, budget: StepBudget, plan: Plan, graph: str, args: tuple,
 
 
 def _planned(s: Setting, budget: StepBudget, book: PlanBook, args: tuple, kwargs: dict) -> Entry:
-    """A plan made for this call: over its captured graph, else over the module tree."""
-    try:
-        a = analyze_for(s.model, args, kwargs, s.loss_fn, s.options, s.optimizer, REGION_PROBE)
-    except TraceError as e:             # no graph at all: plan over the module tree
-        return _over_module_tree(s, budget, book, args, kwargs, e)
-    if s.options.pipeline is not None:      # the other micro-batches in flight (runtime/distributed/pipeline.py)
-        a = replace(a, cost_graph=rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs))
-    measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
-    if s.compile is not None:       # '%' of the compiled step without checkpointing, predicted
-        with heap_frozen():
-            return _compiled(s, budget, book, a, compiled_measure(measure, s.compile))
+    """A plan made for this call: over its captured graph, else over the module tree. In compile
+    mode the joint graph is captured while the graph is profiled (NOTE [ the profile, beside ] in
+    planner/api.py), with the heap frozen (NOTE [ the heap frozen ])."""
+    joint = None if s.compile is None else JointBeside(s.compile)
+    with contextlib.nullcontext() if joint is None else heap_frozen():
+        try:
+            a = analyze_for(s.model, args, kwargs, s.loss_fn, s.options, s.optimizer, REGION_PROBE, beside=joint)
+        except TraceError as e:             # no graph at all: plan over the module tree
+            return _over_module_tree(s, budget, book, args, kwargs, e)
+        if s.options.pipeline is not None:      # the other micro-batches in flight (runtime/distributed/pipeline.py)
+            a = replace(a, cost_graph=rank_graph(a.cost_graph, s.options.pipeline, a.example_inputs))
+        measure = ExactReplay(s.model, a, s.loss_fn, s.options.pipeline)
+        if joint is not None:       # '%' of the compiled step without checkpointing, predicted
+            return _compiled(s, budget, book, a, compiled_measure(measure, s.compile, joint))
     # '%' of the step without checkpointing: a pipeline rank's is its whole schedule.step, replayed
     budget_bytes = budget.resolve(measure(()) if s.options.pipeline else unplanned_peak_bytes(a.cost_graph, s.options))
     return _solved(s, book, a, budget_bytes, args, kwargs, measure)
@@ -235,15 +239,16 @@ def _solved(s: Setting, book: PlanBook, a: Analysis, budget_bytes: int, args: tu
     return Entry(p, rewrite_plan(model, a.traced.gm, p), a.traced)
 
 
-def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None) -> "ExactReplay":
+def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None, beside: JointBeside | None = None) -> "ExactReplay":
     """`replay` made the measure of compiled plans: each plan's compiled step partitioned and
-    replayed on fake tensors (runtime.rewrite.compiled `CompiledPrediction`), no real step."""
+    replayed on fake tensors (runtime.rewrite.compiled `CompiledPrediction`), no real step.
+    `beside`: the joint graph's capture, run beside the profile (NOTE [ the profile, beside ])."""
     a = replay.analysis
     if any(t.device.type == "meta" for t in [*replay.model.parameters(), *a.example_inputs.values()]
            if isinstance(t, torch.Tensor)):
         raise ValueError("compile=True plans with the model's real tensors (Inductor's joint-graph passes do not "
                          "keep a graph on meta): plan a meta model without compile=")
-    prediction = CompiledPrediction(replay, compile_kwargs)
+    prediction = CompiledPrediction(replay, compile_kwargs, beside.of(a.traced.gm) if beside else None)
     replay.stand_in, replay.compiled = prediction.module, prediction
     replay.what, replay.unplanned_guess = prediction.what, None     # the profile's metered peak is eager's
     for knob in ("rounds", "after_fit", "close_enough", "first_scale", "step_up"):

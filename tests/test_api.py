@@ -482,3 +482,35 @@ def test_the_unplanned_guess_saves_replays_and_never_changes_a_plan_or_a_promise
         assert got[None][2] <= got["none"][2]                   # in no more replays
         fewer.append(got[None][2] < got["none"][2])
     assert fewer == [False, True, False]       # a plan with regions: the unplanned step not replayed
+
+
+def _ctc_loss(out):
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(1, 20, (8, 30), generator=g)
+    return torch.nn.functional.ctc_loss(out.log_softmax(-1).transpose(0, 1), targets, torch.full((8,), 100),
+                                        torch.full((8,), 20))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork") or (__import__("os").cpu_count() or 1) < 2,
+                    reason="no fork or one core")
+@pytest.mark.parametrize("loss", ["fake", "real"])
+def test_the_profile_beside_work_here_is_the_profile_here(loss, monkeypatch):
+    """NOTE [ the profile, beside ]: `beside` runs once, in this process, on the graph analysed and
+    its inputs, while a worker profiles it; the analysis equals one made without it (a loss fake
+    tensors cannot run, ctc_loss: the worker's profile fails and runs again here, measured for real)."""
+    import os
+    from remat.planner import workers
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 20))
+    x = torch.randn(8, 100, 16)
+    loss_fn = None if loss == "fake" else _ctc_loss
+    import remat.planner.api as api
+    seen, forked = [], []
+    monkeypatch.setattr(api, "started", lambda *args: forked.append(args) or workers.started(*args))
+    a = analyze(model, (x,), {}, loss_fn, beside=lambda gm, named: seen.append((gm, named, os.getpid())))
+    assert len(forked) == 1
+    b = analyze(model, (x,), {}, loss_fn)
+    assert len(seen) == 1 and seen[0][0] is a.traced.gm and seen[0][1] is a.example_inputs and seen[0][2] == os.getpid()
+    assert a.cost_graph == b.cost_graph and (a.fake_loss is None) == (loss == "fake")
+    assert a.times["profile"] > 0

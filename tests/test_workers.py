@@ -136,7 +136,7 @@ def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch)
 
 def test_the_heap_is_frozen_inside_and_given_back_after():
     """NOTE [ the heap frozen ]: inside, what was alive at its start is in the collector's permanent
-    generation; nested, the inner one neither freezes more nor gives it back; after, none is, and
+    generation and its youngest generation collects less often; nested, the inner one neither freezes more nor gives it back; after, none is, and
     a cycle made inside is collected as before."""
     import gc
     import weakref
@@ -145,6 +145,7 @@ def test_the_heap_is_frozen_inside_and_given_back_after():
     class Node:
         pass
     assert gc.get_freeze_count() == 0
+    before = gc.get_threshold()
     with heap_frozen():
         frozen = gc.get_freeze_count()
         assert frozen > 0
@@ -152,10 +153,20 @@ def test_the_heap_is_frozen_inside_and_given_back_after():
         with heap_frozen():
             assert 0 < gc.get_freeze_count() <= frozen      # not frozen again, not given back
         assert 0 < gc.get_freeze_count() <= frozen
+        assert gc.get_threshold()[0] == workers.YOUNG
         a, b = Node(), Node()
         a.other, b.other = b, a
         gone = weakref.ref(a)
         del a, b
         gc.collect()
         assert gone() is None
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
+@needs_fork
+def test_a_worker_collects_no_cycles_and_the_caller_still_does(monkeypatch):
+    """NOTE [ a worker collects nothing ]: the collector is off in a worker, on here."""
+    import gc
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    assert started(gc.isenabled).result() is False
+    assert gc.isenabled()

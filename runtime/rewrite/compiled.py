@@ -24,7 +24,7 @@ import torch.fx as fx
 from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.solve.fit import USED
-from remat.planner.compiled.joint import capture_joint, compiled, output_leaves, tensor_inputs
+from remat.planner.compiled.joint import Joint, capture_joint, compiled, output_leaves, tensor_inputs
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
@@ -160,10 +160,10 @@ class CompiledPrediction:
     rounds, after_fit, first_scale, step_up = 8, 2, 1.3, True
     close_enough = 1 - USED         # a plan using the budget as the issue asks ends the search (NOTE [ the compiled fit ])
 
-    def __init__(self, replay, compile_kwargs: dict | None = None):
+    def __init__(self, replay, compile_kwargs: dict | None = None, joint: Joint | None = None):
         self.replay = replay                        # the eager ExactReplay of the same analysis
         a = replay.analysis
-        self.joint = capture_joint(a.traced.gm, a.example_inputs, compile_kwargs)
+        self.joint = joint or capture_joint(a.traced.gm, a.example_inputs, compile_kwargs)    # `joint`: captured before
         self.steps: dict[tuple, CompiledStep] = {}
         self.partitions: dict[tuple, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.checks: dict[tuple, int] = {}
@@ -214,6 +214,30 @@ class CompiledPrediction:
         if key not in self.checks:
             self.checks[key] = self.replay.replayed(key, lambda r: self.module(r, wrapper=True))
         return self.checks[key]
+
+
+class JointBeside:
+    """`capture_joint` of the traced graph, as `analyze`'s `beside` (planner/api.py NOTE [ the
+    profile, beside ]): run while a worker profiles the graph; what it raised, raised at `of`."""
+
+    def __init__(self, compile_kwargs: dict | None):
+        self.compile_kwargs = compile_kwargs
+        self.gm = self.joint = self.error = None
+
+    def __call__(self, gm: fx.GraphModule, named: dict) -> None:
+        self.gm = gm
+        try:
+            self.joint = capture_joint(gm, named, self.compile_kwargs)
+        except Exception as e:          # noqa: BLE001  (raised at `of`, after the profile's own errors)
+            self.error = e
+
+    def of(self, gm: fx.GraphModule) -> Joint | None:
+        """The joint graph captured of `gm`, or None (none was, or of another graph)."""
+        if self.gm is not gm:
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.joint
 
 
 class Checked:
