@@ -121,21 +121,24 @@ def _profile(gm, named, loss_fn, opaque, examples, fixed, **how) -> CostGraph:
                    how["cost_model"], how["overheads"], fixed)
 
 
-# NOTE [ the profile, beside ]
-# Compile mode captures the joint graph of the traced graph (planner/compiled/joint.py: seconds of
-# AOTAutograd and Inductor's joint passes), which needs the traced graph only, not its profile. So
-# where workers fork (planner/workers.py) the profile of a graph with no opaque module runs in a
-# forked worker while `beside` (that capture) runs here: the profile is a pure function of the
-# graph, its inputs and the loss, on fake tensors, and sends back a CostGraph (plain data). The
-# built-in GPT-2 of 6 layers on 2 cores: its 0.8 s profile off the path to the plan. A profile the
-# worker could not finish (a loss or a module fake tensors cannot run) runs again here, as
-# without a worker, and `beside` is the caller's to redo when the graph it was given is not the
-# one analysed (`Analysis.traced.gm`).
 def _timed(fn, *args):
     t0 = time.perf_counter()
     return fn(*args), time.perf_counter() - t0
 
 
+# NOTE [ the profile, beside ]
+# Compile mode captures the joint graph of the traced graph (planner/compiled/joint.py: seconds of
+# AOTAutograd and Inductor's joint passes), which needs the traced graph only, not its profile. So
+# where workers fork (planner/workers.py) the profile of a graph with no opaque module runs in a
+# forked worker while `beside` (that capture) runs here: the profile is a pure function of the
+# graph, its inputs and the loss, on fake tensors, and sends back a CostGraph (plain data). On 2
+# cores, six pairs of fresh processes at issue 45's halfway budgets, with the collector's changes
+# of planner/workers.py made at once (NOTE [ a worker collects nothing ]): the built-in GPT-2 of 6
+# layers (a 0.9 s profile) planned in 11.7-13.0 s (median 12.5) before, 10.4-12.4 s (10.9) after,
+# the ResNet (0.4 s) in 10.7-14.3 s (12.9) before, 9.7-12.6 s (11.0) after. A profile the
+# worker could not finish (a loss or a module fake tensors cannot run) runs again here, as
+# without a worker, and `beside` is the caller's to redo when the graph it was given is not the
+# one analysed (`Analysis.traced.gm`).
 def _profiled_beside(traced: Traced, named: dict, loss_fn, run_profile, beside, times: dict) -> CostGraph | None:
     """`run_profile` of `traced` in a forked worker while `beside(gm, named)` runs here (NOTE
     [ the profile, beside ]); None where it cannot or did not profile there (to run here)."""
