@@ -21,6 +21,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "compile-plan-time.md"
 MODELS = ("gpt2 (6 layers)", "resnet")
 BUDGETS = ("50%", "70%", "90%")
 COMMAND = "python -m benchmarks.compile_plan_time"
+REPEAT = 3          # runs of each row: this VM moves 15% and more run to run
 
 
 def target(name: str) -> int:
@@ -76,6 +77,16 @@ def _label(budget: str) -> str:
     return budget if budget.endswith("%") else f"{int(budget) / 1e6:.2f} MB (halfway)"
 
 
+def _medians(cases: list[tuple[str, str]]) -> list[tuple[dict, list[float]]]:
+    """Each (model, budget) planned REPEAT times, each in a fresh process, the cases taken in turn:
+    per case, its median run (by wall) and every run's wall, in order."""
+    runs: list[list[dict]] = [[] for _ in cases]
+    for _ in range(REPEAT):
+        for i, (m, b) in enumerate(cases):
+            runs[i].append(fresh("--one", m, b))
+    return [(sorted(rs, key=lambda r: r["wall"])[len(rs) // 2], [r["wall"] for r in rs]) for rs in runs]
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(one(sys.argv[2], sys.argv[3])))
@@ -84,8 +95,9 @@ def main() -> None:
         print(json.dumps(target(sys.argv[2])))
         return
     t0 = time.perf_counter()
-    rows = [fresh("--one", m, b) for m in MODELS for b in (*BUDGETS, str(fresh("--target", m)))]
-    head = "| model | budget | plan wall s | plan CPU s | regions | predicted MB | budget MB | phases (s, this process) |"
+    rows = _medians([(m, b) for m in MODELS for b in (*BUDGETS, str(fresh("--target", m)))])
+    head = ("| model | budget | plan wall s (median) | wall s (runs) | plan CPU s | regions | predicted MB | budget MB "
+            "| phases (s, this process) |")
     lines = [
         "# Compile mode: planning time in a fresh process",
         "",
@@ -95,18 +107,20 @@ def main() -> None:
         f"torch.compile included, plan cache off; CPU s: the process's and its forked workers'; "
         f"'halfway': a budget in bytes, halfway between the compiled step's measured peak unplanned and "
         f"with every block checkpointed (benchmarks/compile.py's target, found first, in a process of its own); "
-        f"whole run {time.perf_counter() - t0:.0f} s.",
+        f"each row run {REPEAT} times, the rows taken in turn (a slow spell of the machine spread over them), "
+        f"the median run shown with every run's wall; whole run {time.perf_counter() - t0:.0f} s.",
         "",
         head, "|" + "---|" * (head.count("|") - 1),
     ]
-    for r in rows:
+    for r, walls in rows:
+        runs = " / ".join(f"{w:.1f}" for w in walls)
         if "refused" in r:
-            lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {r['cpu']:.1f} | refused: least "
-                         f"{(r['refused'] or 0) / 1e6:.2f} MB | - | - | - |")
+            lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {runs} | {r['cpu']:.1f} | refused: "
+                         f"least {(r['refused'] or 0) / 1e6:.2f} MB | - | - | - |")
             continue
         phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if isinstance(v, float) and v >= 0.1)
-        lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['regions']} | "
-                     f"{r['predicted'] / 1e6:.2f} | {r['budget_bytes'] / 1e6:.2f} | {phases} |")
+        lines.append(f"| {r['name']} | {_label(r['budget'])} | {r['wall']:.1f} | {runs} | {r['cpu']:.1f} | {r['regions']} "
+                     f"| {r['predicted'] / 1e6:.2f} | {r['budget_bytes'] / 1e6:.2f} | {phases} |")
     RESULTS.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
