@@ -1,7 +1,6 @@
 """plan(): trace -> profile -> CostGraph -> ILP -> simulated Plan, for reports and CI checks."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -67,9 +66,9 @@ def analyze(model: torch.nn.Module, example_inputs=None, example_kwargs=None, lo
     times = {"capture": 0.0, "check": 0.0, "profile": 0.0}
     with rng_preserved(), training_modes(model), state_preserved(model):   # planning leaves no trace
         traced, checked, named, examples, fake_loss, cg = _captured_and_profiled(
-            model, args, kwargs, loss_fn, times, functools.partial(
-                _profile, rates=rates, keep_output=keep_output, deterministic_ops=frozenset(deterministic_ops),
-                cost_model=cost_model, overheads=overheads), beside)
+            model, args, kwargs, loss_fn, times, lambda gm, named, loss, opaque, examples, fixed: profile(
+                gm, named, loss, rates, opaque, examples, keep_output, frozenset(deterministic_ops), cost_model,
+                overheads, fixed), beside)
     _refuse_double_backward_through_opaque(traced, cg)
     _say_how(model, traced)
     if optimizer is not None:
@@ -114,11 +113,6 @@ def _checked_arguments(model, example_inputs, example_kwargs, accumulation_steps
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     return args, kwargs
-
-
-def _profile(gm, named, loss_fn, opaque, examples, fixed, **how) -> CostGraph:
-    return profile(gm, named, loss_fn, how["rates"], opaque, examples, how["keep_output"], how["deterministic_ops"],
-                   how["cost_model"], how["overheads"], fixed)
 
 
 def _timed(fn, *args):

@@ -3,6 +3,7 @@
 import copy
 import io
 import logging
+import os
 import re
 
 import pytest
@@ -12,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat.planner import ForwardError, InfeasibleBudgetError, TraceError, analyze, plan
 from remat.runtime import peak_memory, plan_and_wrap
 from remat.runtime import examples
+from remat.planner import workers
 
-from helpers import FAST, train_step
+from helpers import FAST, ctc_loss, train_step
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "abc", None, True])
@@ -484,28 +486,19 @@ def test_the_unplanned_guess_saves_replays_and_never_changes_a_plan_or_a_promise
     assert fewer == [False, True, False]       # a plan with regions: the unplanned step not replayed
 
 
-def _ctc_loss(out):
-    g = torch.Generator().manual_seed(1)
-    targets = torch.randint(1, 20, (8, 30), generator=g)
-    return torch.nn.functional.ctc_loss(out.log_softmax(-1).transpose(0, 1), targets, torch.full((8,), 100),
-                                        torch.full((8,), 20))
 
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork") or (__import__("os").cpu_count() or 1) < 2,
-                    reason="no fork or one core")
+@pytest.mark.skipif(not workers.FORK or (os.cpu_count() or 1) < 2, reason="no fork or one core")
 @pytest.mark.parametrize("loss", ["fake", "real"])
 def test_the_profile_beside_work_here_is_the_profile_here(loss, monkeypatch):
     """NOTE [ the profile, beside ]: `beside` runs once, in this process, on the graph analysed and
     its inputs, while a worker profiles it; the analysis equals one made without it (a loss fake
     tensors cannot run, ctc_loss: the worker's profile fails and runs again here, measured for real)."""
-    import os
-    from remat.planner import workers
+    import remat.planner.api as api
     monkeypatch.delenv("REMAT_WORKERS", raising=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 20))
     x = torch.randn(8, 100, 16)
-    loss_fn = None if loss == "fake" else _ctc_loss
-    import remat.planner.api as api
+    loss_fn = None if loss == "fake" else ctc_loss
     seen, forked = [], []
     monkeypatch.setattr(api, "started", lambda *args: forked.append(args) or workers.started(*args))
     a = analyze(model, (x,), {}, loss_fn, beside=lambda gm, named: seen.append((gm, named, os.getpid())))

@@ -136,8 +136,8 @@ def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch)
 
 def test_the_heap_is_frozen_inside_and_given_back_after():
     """NOTE [ the heap frozen ]: inside, what was alive at its start is in the collector's permanent
-    generation and its youngest generation collects less often; nested, the inner one neither freezes more nor gives it back; after, none is, and
-    a cycle made inside is collected as before."""
+    generation and its youngest generation collects less often; nested, the inner one neither
+    freezes more nor gives it back; after, none is, and a cycle made inside is collected as before."""
     import gc
     import weakref
     from remat.planner.workers import heap_frozen

@@ -86,10 +86,11 @@ def flat(gm: fx.GraphModule, inputs: dict) -> fx.GraphModule:
     `tensor_inputs(gm, inputs)`."""
     out = annotated(gm)
     g = out.graph
+    kept = set(tensor_inputs(gm, inputs))
     for n in list(g.find_nodes(op="placeholder")):
-        v = inputs.get(n.target)
-        if isinstance(v, torch.Tensor):
+        if n.target in kept:
             continue
+        v = inputs.get(n.target)
         for u in list(n.users):
             u.args, u.kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: v if a is n else a)
         g.erase_node(n)
