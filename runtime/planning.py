@@ -264,7 +264,7 @@ def compiled_measure(replay: "ExactReplay", compile_kwargs: dict | None, beside:
 # layers, three blocks a region, read 6% under the allocator; a one-block GPT-2 recomputing its
 # attention's dropout, 12% under). So the plan the fit returns is checked with the compile's own
 # memory plan: the wrapper Inductor generates for each partitioned graph (planner/compiled/wrapper.py:
-# lowering, fusion and the kernels' sources, no kernel compiled; seconds a plan), replayed on fake
+# lowering and fusion, the kernels' bodies unwritten, no kernel compiled; seconds a plan), replayed on fake
 # tensors, within 0.01% of the CPU allocator on the built-in ResNet and that GPT under four plans
 # each. The checked peak is the plan's prediction. Where the check finds the plan over the budget,
 # or the model finds none that fits, the fit runs again with every plan checked (`Checked`): slower,

@@ -265,3 +265,44 @@ def test_the_wrapper_replay_keeps_a_fallbacks_only_output_and_a_donated_input_it
     live.bind("mm_1", "m", 100)
     replay(code, {"buf5": 4096, "buf6": 4096, "buf8": 100}, live)
     assert (live.peak, live.now) == (4196, 4196)
+
+
+def _memory_lines(code: str) -> list[str]:
+    """The lines of a wrapper's `call` that allocate, reuse, alias, call a fallback or free."""
+    import re
+    body = code[code.index("def call(self, args)"):]
+    lines = [line.strip() for line in body[:body.index("\n        return")].splitlines()]
+    return [line for line in lines if re.search(r"empty_strided|reinterpret_tensor|\bdel |= buf\d+|torch\.ops|extern_kernels",
+                                                line)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "resnet"])
+def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, monkeypatch):
+    """NOTE [ the kernels unwritten ]: each graph's wrapper, read with the C++ kernels' bodies
+    unwritten, allocates, reuses and frees as with them written, buffer for buffer, without
+    checkpointing and with every block checkpointed; a kernel with a masked load is written (the MLP
+    has some), most are not; and where leaving them unwritten fails, the graph is read
+    again with them written."""
+    import remat.planner.compat as compat
+    from remat.planner.compiled.step import _read
+    from remat.planner.compiled.wrapper import wrapper_memory
+    _, a, measure = _setup(name)
+    written = []
+    must_write = compat._must_write
+    monkeypatch.setattr(compat, "_must_write", lambda p, nodes: written.append(must_write(p, nodes)) or written[-1])
+    for regions in ((), known_plans(a.cost_graph).get("every_block", ())):
+        r = _read(measure.compiled.joint, measure.compiled._partition(regions))
+        for gm, visible in ((r.fw, r.visible), (r.bw, None)):
+            inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+            code, sizes, strides = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible, sources=True)
+            code_u, sizes_u, strides_u = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible)
+            assert _memory_lines(code_u) == _memory_lines(code) and sizes_u == sizes and strides_u == strides
+    assert not all(written) and (any(written) or name != "mlp")
+    r = _read(measure.compiled.joint, measure.compiled._partition(()))
+    alone = wrapper_memory(r.bw, r.static, r.counted, None)
+
+    def fails(proxy, nodes):
+        raise RuntimeError("an Inductor that moved")
+    monkeypatch.setattr(compat, "_register", fails)
+    assert wrapper_memory(r.bw, r.static, r.counted, None) == alone

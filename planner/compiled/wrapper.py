@@ -1,6 +1,6 @@
 """The compile's own memory plan: a partitioned graph's buffers read from the wrapper Inductor
-generates for it (planner.compat `inductor_wrapper`: lowering, fusion, kernel sources, no kernel
-compiled), replayed line by line (NOTE [ the wrapper's memory plan ]).
+generates for it (planner.compat `inductor_wrapper`: lowering, fusion, the kernels' bodies
+unwritten, no kernel compiled), replayed line by line (NOTE [ the wrapper's memory plan ]).
 
 memory.py models the same buffers from the graph alone, in a fraction of the time; this is what
 a plan's prediction is checked against (runtime.planning `solve_compiled`)."""
@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from remat.planner.compat import (allocation_events, compute_required_storage_length, donates_buffers,
-                                  inductor_wrapper, storage_key)
+from remat.planner.compat import (KernelsUnwritten, allocation_events, compute_required_storage_length,
+                                  donates_buffers, inductor_wrapper, storage_key)
 from remat.planner.workers import forks_for, started
 
 from .memory import GraphMemory, workspace
@@ -165,7 +165,10 @@ def wrapper_memory(gm: fx.GraphModule, held: set, counted_inputs: set, visible: 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     convolutions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
     inputs = [_restrided(n.meta["val"], (strides or {}).get(n.name)) for n in placeholders]
-    code, sizes, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible, donated)
+    try:
+        code, sizes, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible, donated)
+    except KernelsUnwritten:            # read again with the kernels written (NOTE [ the kernels unwritten ])
+        code, sizes, laid_out = inductor_wrapper(copy.deepcopy(gm), inputs, visible, donated, sources=True)
     outs = gm.graph.find_nodes(op="output")[0].args[0]
     live = Live(held)
     for n in placeholders:
