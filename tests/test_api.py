@@ -486,7 +486,6 @@ def test_the_unplanned_guess_saves_replays_and_never_changes_a_plan_or_a_promise
     assert fewer == [False, True, False]       # a plan with regions: the unplanned step not replayed
 
 
-
 @pytest.mark.skipif(not workers.FORK or (os.cpu_count() or 1) < 2, reason="no fork or one core")
 @pytest.mark.parametrize("loss", ["fake", "real"])
 def test_the_profile_beside_work_here_is_the_profile_here(loss, monkeypatch):

@@ -294,7 +294,7 @@ def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, mon
     for regions in ((), known_plans(a.cost_graph).get("every_block", ())):
         r = _read(measure.compiled.joint, measure.compiled._partition(regions))
         for gm, visible in ((r.fw, r.visible), (r.bw, None)):
-            inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+            inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]    # as traced, both reads alike
             code, sizes, strides = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible, sources=True)
             code_u, sizes_u, strides_u = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible)
             assert _memory_lines(code_u) == _memory_lines(code) and sizes_u == sizes and strides_u == strides
