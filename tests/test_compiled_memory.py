@@ -2,6 +2,7 @@
 the partitioner as tags, the partition is the compile's, and the replay of its buffers (checked
 by Inductor's own wrapper: NOTE [ the compiled check ]) is the allocator's peak of the real
 compiled step. The oracle is the compiled step itself, run."""
+import contextlib
 import copy
 
 import pytest
@@ -287,10 +288,13 @@ def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, mon
     import remat.planner.compat as compat
     from remat.planner.compiled.step import _read
     from remat.planner.compiled.wrapper import wrapper_memory
+    from torch._inductor.scheduler import Scheduler
     _, a, measure = _setup(name)
-    written = []
+    written, sought = [], []
     must_write = compat._must_write
     monkeypatch.setattr(compat, "_must_write", lambda p, nodes: written.append(must_write(p, nodes)) or written[-1])
+    walk = Scheduler.get_graph_partition_symbol_inputs
+    monkeypatch.setattr(Scheduler, "get_graph_partition_symbol_inputs", lambda *a: sought.append(1) or walk(*a))
     for regions in ((), known_plans(a.cost_graph).get("every_block", ())):
         r = _read(measure.compiled.joint, measure.compiled._partition(regions))
         for gm, visible in ((r.fw, r.visible), (r.bw, None)):
@@ -298,6 +302,13 @@ def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, mon
             code, sizes, strides = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible, sources=True)
             code_u, sizes_u, strides_u = compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible)
             assert _memory_lines(code_u) == _memory_lines(code) and sizes_u == sizes and strides_u == strides
+            # NOTE [ no symbols sought ]: the walk for symbols skipped, the same wrapper as after it
+            assert not sought
+            with monkeypatch.context() as m:
+                m.setattr(compat, "no_symbols_sought", contextlib.nullcontext)
+                assert compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible) == (code_u, sizes_u, strides_u)
+            assert sought
+            sought.clear()
     assert not all(written) and (any(written) or name != "mlp")
     r = _read(measure.compiled.joint, measure.compiled._partition(()))
     alone = wrapper_memory(r.bw, r.static, r.counted, None)
