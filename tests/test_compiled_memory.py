@@ -284,7 +284,8 @@ def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, mon
     unwritten, allocates, reuses and frees as with them written, buffer for buffer, without
     checkpointing and with every block checkpointed; a kernel with a masked load is written (the MLP
     has some), most are not; and where leaving them unwritten fails, the graph is read
-    again with them written."""
+    again with them written. Neither the walk for size symbols the check skips (NOTE [ no symbols
+    sought ]) nor the values it does not propagate again (NOTE [ the values as traced ]) change it."""
     import remat.planner.compat as compat
     from remat.planner.compiled.step import _read
     from remat.planner.compiled.wrapper import wrapper_memory
@@ -308,6 +309,11 @@ def test_the_kernels_unwritten_leave_the_wrappers_memory_plan_as_it_is(name, mon
                 m.setattr(compat, "no_symbols_sought", contextlib.nullcontext)
                 assert compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible) == (code_u, sizes_u, strides_u)
             assert sought
+            # NOTE [ the values as traced ]: as Inductor reads it, its values propagated again
+            assert compat._as_traced(gm, inputs) or name == "resnet"
+            with monkeypatch.context() as m:
+                m.setattr(compat, "_as_traced", lambda gm, inputs: False)
+                assert compat.inductor_wrapper(copy.deepcopy(gm), inputs, visible) == (code_u, sizes_u, strides_u)
             sought.clear()
     assert not all(written) and (any(written) or name != "mlp")
     r = _read(measure.compiled.joint, measure.compiled._partition(()))

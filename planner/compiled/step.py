@@ -15,11 +15,12 @@ import torch
 import torch.fx as fx
 
 from remat.planner.compat import inductor_layout_opt, storage_key
+from remat.planner.workers import started
 
 from .joint import Joint
 from .memory import GraphMemory, graph_memory
 from .tags import Decisions, partition
-from .wrapper import checked_memory, donated
+from .wrapper import checked_memory, donated, output_strides
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
 
@@ -104,13 +105,24 @@ def _read(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule]) -> _Read:
     return _Read(fw, bw, primals, outs, copied, static, visible, counted, tangents)
 
 
-def check_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule], alongside: bool = False):
+def check_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule], alongside: bool = False,
+                  laid_out: dict | None = None):
     """The check of a partition (Inductor's wrapper for each graph, planner/compiled/wrapper.py
     `checked_memory`), started: its `result()` is (forward, backward) GraphMemory (NOTE [ forked
-    workers ])."""
+    workers ]). `laid_out`: `layout_started`'s strides, of another partition of `joint`."""
     r = _read(joint, graphs)
     return checked_memory(r.fw, r.bw, r.static, r.counted, r.visible, bool(r.copied),
-                          donated(r.fw, r.bw, joint.kwargs["num_fwd_outputs"]), alongside)
+                          donated(r.fw, r.bw, joint.kwargs["num_fwd_outputs"]), alongside, laid_out)
+
+
+def layout_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule]):
+    """The partition's forward lowered in a worker (planner/compiled/wrapper.py NOTE [ the layout
+    known ]): its `result()` is each output's strides as Inductor lays it out, by name; None where
+    the forward has no convolution (its layout is as traced)."""
+    r = _read(joint, graphs)
+    if not any(n.target is torch.ops.aten.convolution.default for n in r.fw.graph.nodes):
+        return None
+    return started(output_strides, r.fw, r.visible)
 
 
 def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,

@@ -86,16 +86,18 @@ def _line(live: Live, line: str, sizes: dict[str, int], items: dict[str, list[st
 
 
 def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted: set, visible: list[int],
-                   channels_last: bool, donated: tuple[int, ...], alongside: bool = False):
+                   channels_last: bool, donated: tuple[int, ...], alongside: bool = False, laid_out: dict | None = None):
     """The forward's and the backward's buffers as Inductor's wrappers allocate them
     (`wrapper_memory`), started: `result()` gives (forward, backward). On CPU with two cores or
     more the two graphs are read at once, in forked workers (NOTE [ forked workers ]): the
     backward's saved inputs laid out as traced where the forward has no convolution (Inductor
     keeps those strides: checked when both are done, the backward read again here if one moved),
-    else as the forward's lowering lays them out (the backward's worker lowers it first); without
-    workers, one after the other, here. `alongside`: a check this process goes on beside (NOTE [ the
-    unplanned check, alongside ] in runtime/planning.py), read in one worker, one graph after the
-    other, leaving the other core to this process."""
+    else as the forward's lowering lays them out: as `laid_out` says (an earlier lowering of a
+    forward of the same joint graph, by name; checked so, NOTE [ the layout known ]), or, without
+    it, as the backward's worker finds by lowering the forward first; without workers, one after the
+    other, here. `alongside`: a check this process goes on beside (NOTE [ the unplanned check,
+    alongside ] in runtime/planning.py), read in one worker, one graph after the other, leaving the
+    other core to this process."""
     kernels = _attention_workspaces(fw), _attention_workspaces(bw)    # the parent's thread count
     devices = {t.device.type for g in (fw, bw) for n in g.graph.find_nodes(op="placeholder")
                if isinstance(t := n.meta.get("val"), torch.Tensor)}
@@ -109,15 +111,21 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     if here or alongside:
         return started(both, here=here)
     fwd = started(wrapper_memory, fw, static, set(), visible, False, None, (), kernels[0])
-    if any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):    # layout optimization
+    traced = {n.name: tuple(n.meta["val"].stride()) for n in fw.graph.find_nodes(op="output")[0].args[0]
+              if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+    if not any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):
+        return _Both(fwd, started(again, None), (traced, again))
+    if laid_out is None:            # layout optimization: the backward's worker lowers the forward first
         return _Both(fwd, started(_backward_memory, fw, bw, static, counted, visible, channels_last, donated,
                                   kernels[1]), None)
-    return _Both(fwd, started(again, None), (fw, again))
+    guess = {k: laid_out.get(k, v) for k, v in traced.items()}
+    return _Both(fwd, started(again, guess), (guess, again))
 
 
 class _Both:
     """The forward's and the backward's readings, running; `guessed`: the backward's was started
-    with the forward's outputs laid out as traced, (forward graph, the backward's reading again)."""
+    with the forward's outputs laid out as guessed, (those strides by name, the backward's reading
+    again)."""
 
     def __init__(self, fwd, bwd, guessed):
         self.fwd, self.bwd, self.guessed = fwd, bwd, guessed
@@ -130,14 +138,24 @@ class _Both:
         (forward, strides), backward = self.fwd.result(), self.bwd.result()
         if self.guessed is None:
             return forward, backward[0]
-        fw, again = self.guessed
-        traced = {n.name: tuple(n.meta["val"].stride()) for n in fw.graph.find_nodes(op="output")[0].args[0]
-                  if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
-        if any(traced.get(k, v) != v for k, v in strides.items()):
+        guess, again = self.guessed
+        if any(guess.get(k, v) != v for k, v in strides.items()):
             return forward, again(strides)[0]
         return forward, backward[0]
 
 
+# NOTE [ the layout known ]
+# Under layout optimization (a forward with a convolution) Inductor lays saved tensors out
+# channels-last, and the backward is read with its saved inputs so restrided: the backward's
+# worker lowered the forward first, on the check's path (the built-in ResNet: a
+# backward's 1.6 s check after 0.9-1.5 s of the forward's lowering). A saved tensor's layout is its
+# forward node's, whichever plan saves it: the ResNet's forward lowered without checkpointing laid
+# out every output of four plans' forwards as they lay them out (72-83 outputs each, 30-36
+# restrided; those it did not save kept their traced strides). So the fit lowers the forward
+# without checkpointing once, in a worker beside it (runtime/rewrite/compiled.py
+# `CompiledPrediction`), and a plan's backward is read at once with its saved inputs laid out so;
+# the forward's own reading says how they are laid out, and a backward read with another layout
+# is read again.
 def _backward_memory(fw, bw, static, counted, visible, channels_last, donated, kernels) -> tuple[GraphMemory, dict]:
     """The backward's `wrapper_memory`, its saved inputs restrided as the forward's lowering lays them out."""
     return wrapper_memory(bw, static, counted, None, channels_last, output_strides(fw, visible), donated, kernels)

@@ -25,7 +25,7 @@ from remat.planner.capture.trace import OUTPUT
 from remat.planner.compat import pytree
 from remat.planner.solve.fit import USED
 from remat.planner.compiled.joint import Joint, capture_joint, compiled, output_leaves, tensor_inputs
-from remat.planner.compiled.step import CompiledStep, check_started, compiled_step
+from remat.planner.compiled.step import CompiledStep, check_started, compiled_step, layout_started
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
 from remat.planner.workers import forks_for
@@ -169,18 +169,32 @@ class CompiledPrediction:
         self.checks: dict[tuple, int] = {}
         self.started: dict[tuple, object] = {}      # checks running (NOTE [ forked workers ])
         self.forks = forks_for({t.device.type for t in self.joint.inputs if isinstance(t, torch.Tensor)})
+        self.laying = None                          # the forward's layout, found beside the fit
 
     def _partition(self, regions: tuple) -> tuple[fx.GraphModule, fx.GraphModule]:
         if regions not in self.partitions:
             self.partitions[regions] = partition(self.joint, decisions(regions, self.replay.names))
+            if regions == () and self.forks:       # planner/compiled/wrapper.py NOTE [ the layout known ]
+                self.laying = layout_started(self.joint, self.partitions[()])
         return self.partitions[regions]
+
+    def _check(self, regions: tuple, alongside: bool = False):
+        """The check of `regions`, started, the saved tensors laid out as the forward without
+        checkpointing lays them out where that is known (NOTE [ the layout known ])."""
+        laid_out = None
+        if self.laying is not None and not alongside:
+            try:
+                laid_out = self.laying.result()
+            except Exception:       # noqa: BLE001  (the check then lowers the forward itself)
+                self.laying = None
+        return check_started(self.joint, self._partition(regions), alongside=alongside, laid_out=laid_out)
 
     def start(self, regions, alongside: bool = True) -> None:
         """The check of `regions` started, to run while this process goes on (in forked workers,
         where it can: planner.workers; `alongside`: in one of them); `checked` collects it."""
         regions = tuple(regions)
         if regions not in self.started and (regions, True) not in self.steps:
-            self.started[regions] = check_started(self.joint, self._partition(regions), alongside=alongside)
+            self.started[regions] = self._check(regions, alongside)
 
     def speculate(self, regions) -> None:
         """The check of `regions`, the fit's best plan so far, started (NOTE [ the best so far ]
@@ -200,8 +214,8 @@ class CompiledPrediction:
         regions = tuple(regions)
         if (regions, wrapper) not in self.steps:
             decided = decisions(regions, self.replay.names)
-            self.steps[regions, wrapper] = compiled_step(self.joint, decided, wrapper, self._partition(regions),
-                                                         self.started.pop(regions, None) if wrapper else None)
+            check = (self.started.pop(regions, None) or self._check(regions)) if wrapper else None
+            self.steps[regions, wrapper] = compiled_step(self.joint, decided, wrapper, self._partition(regions), check)
         return self.steps[regions, wrapper]
 
     def module(self, regions, wrapper: bool = False) -> fx.GraphModule:
