@@ -112,26 +112,33 @@ def test_a_worker_after_the_caller_ran_openmp_does_not_hang(monkeypatch):
 @pytest.mark.parametrize("name", ["gpt2", "resnet"])
 def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch):
     """A plan's check (Inductor's wrappers of both graphs: the GPT's backward started with the saved
-    tensors as traced, the ResNet's after lowering its forward, whose layout optimization moves
-    them) and the unplanned step's check beside the caller, each equal to the same checks made one
-    after the other in this process, to the byte."""
+    tensors as traced, the ResNet's with them laid out as its forward without checkpointing lays
+    them out, found beside the fit: NOTE [ the layout known ]) and the unplanned step's check beside
+    the caller, each equal to the same checks made one after the other in this process, to the
+    byte; and a backward started with the saved tensors laid out wrong is read again, to the same."""
+    import remat.planner.compiled.step as step
     from remat.planner.api import analyze
     from remat.planner.solve.baselines import every_block
     from remat.runtime import examples
     from remat.runtime.planning import ExactReplay, compiled_measure
     ex = examples.gpt2(n_layer=2) if name == "gpt2" else examples.resnet()
+    monkeypatch.delenv("REMAT_WORKERS", raising=False)
     a = analyze(ex.model, ex.inputs, {}, ex.loss_fn)
     prediction = compiled_measure(ExactReplay(ex.model, a, ex.loss_fn), {}).compiled
     plan = every_block(a.cost_graph)
-    monkeypatch.delenv("REMAT_WORKERS", raising=False)
+    known = []
+    check = step.checked_memory
+    monkeypatch.setattr(step, "checked_memory", lambda *args: known.append(args[-1] is not None) or check(*args))
     prediction.start(())
     forked = prediction.checked(()), prediction.checked(plan), prediction.step(plan, wrapper=True)
+    assert known == [False, name == "resnet"]         # the unplanned check (alongside) needs no layout
+    wrong = step.check_started(prediction.joint, prediction._partition(plan), laid_out={}).result()
     prediction.checks.clear()
     prediction.steps = {k: v for k, v in prediction.steps.items() if not k[1]}
     monkeypatch.setenv("REMAT_WORKERS", "1")
     here = prediction.checked(()), prediction.checked(plan), prediction.step(plan, wrapper=True)
     assert forked[:2] == here[:2] and forked[0] > forked[1] > 0
-    assert (forked[2].forward, forked[2].backward) == (here[2].forward, here[2].backward)
+    assert (forked[2].forward, forked[2].backward) == (here[2].forward, here[2].backward) == wrong
 
 
 def test_the_heap_is_frozen_inside_and_given_back_after():
