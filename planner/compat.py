@@ -403,7 +403,7 @@ def _as_traced(gm, inputs) -> bool:
 # default), which size symbols the partition must be given: it walks every node's indexing and
 # layout for free symbols, and keeps those of the shape environment's kinds (sizes, floats,
 # unbacked). A graph of static shapes has none: its shape environment made no symbol. That walk
-# was 5-8% of a check's graph (the built-in GPT-2 of 6 layers' backward: 0.17-0.29 s of 3.5-4.4 s,
+# was 5-8% of a check's graph (the built-in GPT-2 of 6 layers' backward: 0.17-0.29 s of 3.5-4.8 s,
 # one process), and the check skips it where the environment holds no symbol; a graph with one
 # is walked as Inductor walks it.
 @contextlib.contextmanager

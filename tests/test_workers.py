@@ -115,7 +115,10 @@ def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch)
     tensors as traced, the ResNet's with them laid out as its forward without checkpointing lays
     them out, found beside the fit: NOTE [ the layout known ]) and the unplanned step's check beside
     the caller, each equal to the same checks made one after the other in this process, to the
-    byte; and a backward started with the saved tensors laid out wrong is read again, to the same."""
+    byte; and a backward started with the saved tensors laid out wrong (as traced) is read again, to
+    the same."""
+    import torch.fx as fx
+
     import remat.planner.compiled.step as step
     from remat.planner.api import analyze
     from remat.planner.solve.baselines import every_block
@@ -132,7 +135,12 @@ def test_compile_modes_check_in_workers_equals_the_check_here(name, monkeypatch)
     prediction.start(())
     forked = prediction.checked(()), prediction.checked(plan), prediction.step(plan, wrapper=True)
     assert known == [False, name == "resnet"]         # the unplanned check (alongside) needs no layout
-    wrong = step.check_started(prediction.joint, prediction._partition(plan), laid_out={}).result()
+    graphs = prediction._partition(plan)
+    if name == "resnet":        # read at once in the layout found beside the fit, not after lowering the forward
+        assert step.check_started(prediction.joint, graphs, laid_out=prediction.laying.result()).guessed is not None
+    as_traced = {n.name: tuple(n.meta["val"].stride()) for n in graphs[0].graph.find_nodes(op="output")[0].args[0]
+                 if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+    wrong = step.check_started(prediction.joint, graphs, laid_out=as_traced).result()
     prediction.checks.clear()
     prediction.steps = {k: v for k, v in prediction.steps.items() if not k[1]}
     monkeypatch.setenv("REMAT_WORKERS", "1")

@@ -93,9 +93,9 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     backward's saved inputs laid out as traced where the forward has no convolution (Inductor
     keeps those strides: checked when both are done, the backward read again here if one moved),
     else as the forward's lowering lays them out: as `laid_out` says (an earlier lowering of a
-    forward of the same joint graph, by name; checked so, NOTE [ the layout known ]), or, without
-    it, as the backward's worker finds by lowering the forward first; without workers, one after the
-    other, here. `alongside`: a check this process goes on beside (NOTE [ the unplanned check,
+    forward of the same joint graph, by name; checked against the forward's own reading as the
+    traced strides are, NOTE [ the layout known ]), or, without it, as the backward's worker finds
+    by lowering the forward first; without workers, one after the other, here. `alongside`: a check this process goes on beside (NOTE [ the unplanned check,
     alongside ] in runtime/planning.py), read in one worker, one graph after the other, leaving the
     other core to this process."""
     kernels = _attention_workspaces(fw), _attention_workspaces(bw)    # the parent's thread count
@@ -111,15 +111,22 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     if here or alongside:
         return started(both, here=here)
     fwd = started(wrapper_memory, fw, static, set(), visible, False, None, (), kernels[0])
-    traced = {n.name: tuple(n.meta["val"].stride()) for n in fw.graph.find_nodes(op="output")[0].args[0]
-              if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+    outs = {n.name: n.meta["val"] for n in fw.graph.find_nodes(op="output")[0].args[0]
+            if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
+    traced = {k: tuple(t.stride()) for k, t in outs.items()}
     if not any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):
         return _Both(fwd, started(again, None), (traced, again))
-    if laid_out is None:            # layout optimization: the backward's worker lowers the forward first
+    if laid_out is None or any(k not in laid_out and _restridable(t) for k, t in outs.items()):
+        # layout optimization, the layout not known: the backward's worker lowers the forward first
         return _Both(fwd, started(_backward_memory, fw, bw, static, counted, visible, channels_last, donated,
                                   kernels[1]), None)
     guess = {k: laid_out.get(k, v) for k, v in traced.items()}
     return _Both(fwd, started(again, guess), (guess, again))
+
+
+def _restridable(t: torch.Tensor) -> bool:
+    """A 4-d tensor layout optimization may lay out channels-last, not already so (NOTE [ the layout known ])."""
+    return t.dim() == 4 and not t.is_contiguous(memory_format=torch.channels_last)
 
 
 class _Both:
@@ -151,11 +158,14 @@ class _Both:
 # backward's 1.6 s check after 0.9-1.5 s of the forward's lowering). A saved tensor's layout is its
 # forward node's, whichever plan saves it: the ResNet's forward lowered without checkpointing laid
 # out every output of four plans' forwards as they lay them out (72-83 outputs each, 30-36
-# restrided; those it did not save kept their traced strides). So the fit lowers the forward
-# without checkpointing once, in a worker beside it (runtime/rewrite/compiled.py
-# `CompiledPrediction`), and a plan's backward is read at once with its saved inputs laid out so;
-# the forward's own reading says how they are laid out, and a backward read with another layout
-# is read again.
+# restrided). So the fit lowers the forward without checkpointing once, in a worker beside it
+# (runtime/rewrite/compiled.py `CompiledPrediction`), and a plan's backward is read at once with
+# its saved inputs laid out so; the forward's own reading says how they are laid out, and a
+# backward read with another layout is read again. A saved tensor that forward did not save is
+# guessed as traced only where layout optimization cannot move it (not 4-d, or channels-last
+# already: the parameters and per-channel statistics a plan saves); a 4-d activation it did not
+# save (the U-Net's relu_1 under a 3-region plan, laid out channels-last) is not guessed: that
+# plan's backward waits for the forward's lowering, as before.
 def _backward_memory(fw, bw, static, counted, visible, channels_last, donated, kernels) -> tuple[GraphMemory, dict]:
     """The backward's `wrapper_memory`, its saved inputs restrided as the forward's lowering lays them out."""
     return wrapper_memory(bw, static, counted, None, channels_last, output_strides(fw, visible), donated, kernels)
