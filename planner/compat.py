@@ -350,8 +350,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None, donated: tuple
             unittest.mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa), \
             contextlib.nullcontext() if sources else kernels_unwritten(), no_symbols_sought():
         view_to_reshape(gm)
-        if _as_traced(gm, inputs):          # NOTE [ the values as traced ]
-            inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+        if (traced := _as_traced(gm, inputs)) is not None:     # NOTE [ the values as traced ]
+            inputs = traced
         else:
             with torch.no_grad():
                 fake_tensor_prop(gm, inputs)
@@ -382,20 +382,19 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None, donated: tuple
 # without checkpointing and under a plan each; 18 of them as traced), 0.2-0.3 s less of each such
 # graph's 2-4 s. A restrided backward is propagated, as Inductor does, and so is a graph with an op
 # of no value.
-def _as_traced(gm, inputs) -> bool:
-    """Whether each of `inputs` is laid out as `gm`'s input value it stands for, and every op of `gm`
-    has a value (NOTE [ the values as traced ])."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    if len(placeholders) != len(inputs):
-        return False
-    for n, t in zip(placeholders, inputs):
-        v = n.meta.get("val")
+def _as_traced(gm, inputs) -> list | None:
+    """`gm`'s own input values, where each of `inputs` is laid out as the value it stands for and
+    every op of `gm` has a value; else None (NOTE [ the values as traced ])."""
+    values = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    if len(values) != len(inputs) or not all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function"):
+        return None
+    for v, t in zip(values, inputs):
         if isinstance(t, torch.Tensor) != isinstance(v, torch.Tensor):
-            return False
-        if isinstance(t, torch.Tensor) and (t.shape != v.shape or t.stride() != v.stride() or t.dtype != v.dtype
-                                            or t.storage_offset() != v.storage_offset() or t.device != v.device):
-            return False
-    return all("val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+            return None
+        if isinstance(t, torch.Tensor) and (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) != \
+                (v.shape, v.stride(), v.storage_offset(), v.dtype, v.device):
+            return None
+    return values
 
 
 # NOTE [ no symbols sought ]

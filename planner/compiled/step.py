@@ -20,7 +20,7 @@ from remat.planner.workers import started
 from .joint import Joint
 from .memory import GraphMemory, graph_memory
 from .tags import Decisions, partition
-from .wrapper import checked_memory, donated, output_strides
+from .wrapper import checked_memory, convolves, donated, output_strides, restridable
 
 Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]      # shape, stride, dtype
 
@@ -53,11 +53,10 @@ def _tensor(n) -> torch.Tensor | None:
 def _channels_last(fw: fx.GraphModule, primals: list[fx.Node]) -> set[fx.Node]:
     """The forward's placeholders Inductor copies channels-last (NOTE [ channels-last ]): a
     convolution's 4-d input or weight not already laid out so, when Inductor lays the graph out so."""
-    if not any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes) or not inductor_layout_opt(fw):
+    if not convolves(fw) or not inductor_layout_opt(fw):
         return set()
     read = {a for n in fw.graph.nodes if n.target is torch.ops.aten.convolution.default for a in n.args[:2]}
-    return {n for n in primals if n in read and (t := _tensor(n)) is not None and t.dim() == 4
-            and not t.is_contiguous(memory_format=torch.channels_last)}
+    return {n for n in primals if n in read and (t := _tensor(n)) is not None and restridable(t)}
 
 
 def _cl(m: Meta | None) -> Meta | None:
@@ -120,9 +119,7 @@ def layout_started(joint: Joint, graphs: tuple[fx.GraphModule, fx.GraphModule]):
     known ]): its `result()` is each output's strides as Inductor lays it out, by name; None where
     the forward has no convolution (its layout is as traced)."""
     r = _read(joint, graphs)
-    if not any(n.target is torch.ops.aten.convolution.default for n in r.fw.graph.nodes):
-        return None
-    return started(output_strides, r.fw, r.visible)
+    return started(output_strides, r.fw, r.visible) if convolves(r.fw) else None
 
 
 def compiled_step(joint: Joint, decided: Decisions, wrapper: bool = False,

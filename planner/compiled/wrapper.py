@@ -95,9 +95,10 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     else as the forward's lowering lays them out: as `laid_out` says (an earlier lowering of a
     forward of the same joint graph, by name; checked against the forward's own reading as the
     traced strides are, NOTE [ the layout known ]), or, without it, as the backward's worker finds
-    by lowering the forward first; without workers, one after the other, here. `alongside`: a check this process goes on beside (NOTE [ the unplanned check,
-    alongside ] in runtime/planning.py), read in one worker, one graph after the other, leaving the
-    other core to this process."""
+    by lowering the forward first; without workers, one after the other, here. `alongside`: a
+    check this process goes on beside (NOTE [ the unplanned check, alongside ] in
+    runtime/planning.py), read in one worker, one graph after the other, leaving the other core to
+    this process."""
     kernels = _attention_workspaces(fw), _attention_workspaces(bw)    # the parent's thread count
     devices = {t.device.type for g in (fw, bw) for n in g.graph.find_nodes(op="placeholder")
                if isinstance(t := n.meta.get("val"), torch.Tensor)}
@@ -114,9 +115,9 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     outs = {n.name: n.meta["val"] for n in fw.graph.find_nodes(op="output")[0].args[0]
             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)}
     traced = {k: tuple(t.stride()) for k, t in outs.items()}
-    if not any(n.target is torch.ops.aten.convolution.default for n in fw.graph.nodes):
+    if not convolves(fw):
         return _Both(fwd, started(again, None), (traced, again))
-    if laid_out is None or any(k not in laid_out and _restridable(t) for k, t in outs.items()):
+    if laid_out is None or any(k not in laid_out and restridable(t) for k, t in outs.items()):
         # layout optimization, the layout not known: the backward's worker lowers the forward first
         return _Both(fwd, started(_backward_memory, fw, bw, static, counted, visible, channels_last, donated,
                                   kernels[1]), None)
@@ -124,8 +125,13 @@ def checked_memory(fw: fx.GraphModule, bw: fx.GraphModule, static: set, counted:
     return _Both(fwd, started(again, guess), (guess, again))
 
 
-def _restridable(t: torch.Tensor) -> bool:
-    """A 4-d tensor layout optimization may lay out channels-last, not already so (NOTE [ the layout known ])."""
+def convolves(gm: fx.GraphModule) -> bool:
+    """Whether `gm` has a convolution: where Inductor may lay its graph out channels-last."""
+    return any(n.target is torch.ops.aten.convolution.default for n in gm.graph.nodes)
+
+
+def restridable(t: torch.Tensor) -> bool:
+    """A 4-d tensor layout optimization may lay out channels-last, not already so."""
     return t.dim() == 4 and not t.is_contiguous(memory_format=torch.channels_last)
 
 
