@@ -325,10 +325,8 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None, donated: tuple
     `sources`, the C++ kernels' bodies are not written (`kernels_unwritten`: the same wrapper's
     memory plan); KernelsUnwritten where that cannot be done for this graph (run it with `sources`)."""
     import torch._inductor.config as inductor_config
-    from torch._inductor import cpu_vec_isa
     from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
                                             fake_tensor_prop)
-    from torch._inductor.debug import DebugContext
     from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch._inductor.graph import GraphLowering
     from torch._inductor.virtualized import V
@@ -343,12 +341,7 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None, donated: tuple
         visible = [i for i, n in enumerate(leaves) if isinstance(n, torch.fx.Node)] \
             if inductor_config.bw_outputs_user_visible else []
     out.meta["user_visible_output_idxs"] = visible
-    # no vector code (the wrapper's buffers are the same) and no bodies (NOTE [ the kernels
-    # unwritten ]); no vector instructions, so none to find (the check of the CPU's, a C++ compiler
-    # run, is 3 s of a fresh process: pick_vec_isa finds none where simdlen is 0, and is told so here)
-    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}), \
-            unittest.mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa), \
-            contextlib.nullcontext() if sources else kernels_unwritten(), no_symbols_sought():
+    with _reading(fake_mode, sources):
         view_to_reshape(gm)
         if (traced := _as_traced(gm, inputs)) is not None:     # NOTE [ the values as traced ]
             inputs = traced
@@ -370,6 +363,26 @@ def inductor_wrapper(gm, inputs: list, visible: list[int] | None, donated: tuple
             code, _ = graph.codegen()
             sizes = _buffer_sizes(graph)
     return code.value, sizes, strides
+
+
+@contextlib.contextmanager
+def _reading(fake_mode, sources: bool):
+    """Inductor set up for `inductor_wrapper`: its fake mode and debug context; no vector code (the
+    wrapper's buffers are the same) and no bodies unless `sources` (NOTE [ the kernels unwritten
+    ]); no vector instructions, so none to find (the check of the CPU's, a C++ compiler run, is 3
+    s of a fresh process: pick_vec_isa finds none where simdlen is 0, and is told so here); no walk
+    for size symbols in a static graph (NOTE [ no symbols sought ]); graph modules made lazy, as
+    compile_fx_inner makes them (their Python code generated at a first call, never here)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.virtualized import V
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    with V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.simdlen": 0}), \
+            unittest.mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa), \
+            contextlib.nullcontext() if sources else kernels_unwritten(), no_symbols_sought(), \
+            _use_lazy_graph_module(True):
+        yield
 
 
 # NOTE [ the values as traced ]

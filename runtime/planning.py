@@ -332,7 +332,10 @@ def solve_compiled(cg, budget_bytes: int, options: PlanOptions, opaque, measure:
 # least checked peak, over the budget, is the floor the refusal names, as the fit with every plan
 # checked would name it (the model ranks them differently: the U-Net's least modelled plan checks
 # at 15.25 MB, another at 13.83). The ResNet at 50% on 2 cores, in a fresh process: refused in
-# 39.7 s with every plan checked, in 27.6 s so (benchmarks/results/compile-plan-time.md).
+# 39.7 s with every plan checked, in 27.6 s so (benchmarks/results/compile-plan-time.md). Those
+# checks run as many at a time as there are cores (`CompiledPrediction.checked_at_once`): its four
+# floor plans' checks, one after another, 5.6-5.8 s of its 11.8-12.2 s refusal; two at a time,
+# 4.9-5.2 s (each check's two graphs are read in two workers already: the cores are mostly busy).
 FAR_BELOW = 0.1
 
 
@@ -342,7 +345,7 @@ def _refuse_far_below(e: InfeasibleBudgetError, budget_bytes: int, measure: "Exa
     plans = [r for _, r in e.floor_plans if r]
     if not plans or e.min_feasible_bytes <= budget_bytes * (1 + FAR_BELOW):
         return
-    floors = tuple(sorted(((measure.compiled.checked(r), r) for r in plans), key=lambda pr: pr[0]))
+    floors = tuple(sorted(zip(measure.compiled.checked_at_once(plans), plans), key=lambda pr: pr[0]))
     if floors[0][0] > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, floors[0][0], Checked.what, floor_plans=floors)
 

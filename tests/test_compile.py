@@ -117,11 +117,21 @@ def test_a_budget_far_below_the_compiled_floor_is_refused_after_checking_the_kno
     checking the plans the modelled floor search measured (no fit with every plan checked), and
     the floor it names (the least checked peak) fits, typed back."""
     from remat.planner import InfeasibleBudgetError
+    from remat.planner.workers import cores
+    from remat.runtime.rewrite.compiled import CompiledPrediction
     seen = _checked_plans(monkeypatch)
+    running, start = [], CompiledPrediction.start      # checks running when each is started
+
+    def started(self, regions, alongside=True):
+        start(self, regions, alongside)
+        running.append(len([r for r in self.started if r]))
+    monkeypatch.setattr(CompiledPrediction, "start", started)
     with pytest.raises(InfeasibleBudgetError) as e:
         _compiled(1e-6)
     floors = e.value.floor_plans
     assert sorted(seen) == sorted(r for _, r in floors) and len(seen) == len(set(seen))
+    # the floor plans' checks run as many at a time as there are cores (one after another on one)
+    assert max(running) == min(max(1, cores()), len(floors))
     assert e.value.min_feasible_bytes == floors[0][0] == min(p for p, _ in floors)
     plan = _compiled(e.value.min_feasible_bytes / 1e9)[3].remat.plan
     assert plan.predicted_peak_bytes <= e.value.min_feasible_bytes

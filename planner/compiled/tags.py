@@ -79,7 +79,9 @@ def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.Grap
     # recomputed eager-RNG draws (functionalize_rng_ops) in the fake mode it finds
     fake = next((t.fake_mode for t in tree_leaves(joint.inputs) if isinstance(t, FakeTensor)), None)
     with fake if fake is not None else contextlib.nullcontext():
-        return min_cut_partition(gm, joint.inputs, **joint.kwargs)
+        fw, bw = min_cut_partition(gm, joint.inputs, **joint.kwargs)
+    # lazy, as Inductor's compile makes its graph modules: the backward's reordering made it a plain one
+    return lazy_graph_module(fw, fw.graph), lazy_graph_module(bw, bw.graph)
 
 
 class Tagged:

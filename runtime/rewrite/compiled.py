@@ -28,7 +28,7 @@ from remat.planner.compiled.joint import Joint, capture_joint, compiled, output_
 from remat.planner.compiled.step import CompiledStep, check_started, compiled_step, layout_started
 from remat.planner.compiled.tags import decisions, partition, tagged
 from remat.planner.step.state import training_modes
-from remat.planner.workers import forks_for
+from remat.planner.workers import cores, forks_for
 
 from ..measure import peak_memory, preserved, training_loss
 
@@ -228,6 +228,20 @@ class CompiledPrediction:
         if key not in self.checks:
             self.checks[key] = self.replay.replayed(key, lambda r: self.module(r, wrapper=True))
         return self.checks[key]
+
+    def checked_at_once(self, plans: list) -> list[int]:
+        """`checked` of each of `plans`, as many checks running at a time as this process may use
+        cores (each check reads its two graphs in two workers, NOTE [ forked workers ]): the
+        floor plans a refusal names (runtime.planning NOTE [ far below the floor ])."""
+        ahead = max(1, cores())
+        for regions in plans[:ahead]:
+            self.start(regions, alongside=False)
+        out = []
+        for i, regions in enumerate(plans):
+            out.append(self.checked(regions))
+            if i + ahead < len(plans):
+                self.start(plans[i + ahead], alongside=False)
+        return out
 
 
 class JointBeside:
