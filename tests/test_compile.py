@@ -112,6 +112,22 @@ def test_a_budget_in_bytes_plans_as_its_share_did_and_checks_no_unplanned_step(m
     assert "unplanned peak: modelled" in " ".join(exact.notes)
 
 
+def test_the_compiled_fit_solves_without_polish_or_local_search(monkeypatch):
+    """NOTE [ the compiled fit ]: each round's plan is judged by the compiled step, so its solves
+    run without the flat ILP's polish and without the local search after them (the eager
+    simulator's refinements), whatever the options say; an eager plan keeps both."""
+    import remat.runtime.planning as planning
+    given, solve = [], planning.solve_plan
+    monkeypatch.setattr(planning, "solve_plan", lambda cg, b, options, *a, **k: given.append(options.solve)
+                        or solve(cg, b, options, *a, **k))
+    _compiled("90%")
+    assert given and all(not o.polish and o.improve_evals == 0 for o in given)
+    given.clear()
+    ex = examples.resnet(**SMALL)
+    plan_and_wrap(ex.model, "90%", example_inputs=ex.inputs, loss_fn=ex.loss_fn, options=FAST)
+    assert given and all(o.improve_evals == FAST.solve.improve_evals for o in given)
+
+
 def test_a_budget_far_below_the_compiled_floor_is_refused_after_checking_the_known_plans(monkeypatch):
     """NOTE [ far below the floor ]: a budget far under the least modelled peak is refused after
     checking the plans the modelled floor search measured (no fit with every plan checked), and
