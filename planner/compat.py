@@ -234,9 +234,11 @@ def inductor_compile(gm, inputs: list, options: dict):
 
 def min_cut_partition(gm, joint_inputs, **kwargs):
     """torch._functorch.partitioners.min_cut_rematerialization_partition: the forward and backward
-    graphs AOTAutograd makes of a joint graph, honouring its nodes' `recompute` tags. Their Python
-    code is generated at their first call (fx's lazy graph modules, as Inductor's compile makes
-    them): a third of a partition's time, and the planner never calls them."""
+    graphs AOTAutograd makes of a joint graph, honouring its nodes' `recompute` tags. The graph
+    modules it makes along the way are fx's lazy ones, as Inductor's compile makes them (their
+    Python code generated at a first call, which the planner never makes); the two it returns are
+    plain GraphModules, as in the training compile (planner/compiled/tags.py `partition` makes
+    the planner's lazy)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     with _use_lazy_graph_module(True):

@@ -80,7 +80,7 @@ def partition(joint: Joint, decided: Decisions) -> tuple[fx.GraphModule, fx.Grap
     fake = next((t.fake_mode for t in tree_leaves(joint.inputs) if isinstance(t, FakeTensor)), None)
     with fake if fake is not None else contextlib.nullcontext():
         fw, bw = min_cut_partition(gm, joint.inputs, **joint.kwargs)
-    # lazy, as Inductor's compile makes its graph modules: the backward's reordering made it a plain one
+    # lazy, as Inductor's compile makes its graph modules (the partitioner returns both plain)
     return lazy_graph_module(fw, fw.graph), lazy_graph_module(bw, bw.graph)
 
 
